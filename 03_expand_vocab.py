@@ -1,0 +1,309 @@
+"""Step 3: add one LM token per Semantic-ID code and initialize the new embedding rows four ways.
+
+Paper step: vocabulary expansion before grounding/SFT. `random` and `mean` are the baselines of both papers
+(centroid paper: "standard" = Gaussian with the pretrained rows' statistics; GTI paper: "standard" = mean
+init, what Hugging Face `resize_token_embeddings(mean_resizing=True)` gives). `centroid` is Algorithm 1 of
+the centroid paper; `shuffled` is its ablation.
+
+    token (l, k) = "<{letter_l}_{k}>" for every code k used at level l (levels 0..L-1 and the suffix level)
+    random:   e_{l,k} ~ N(mu, diag(sigma^2))          mu, sigma = per-dimension mean/std of the existing rows
+    mean:     e_{l,k} = mu
+    centroid: c_{l,k} = mean of x_i over items with code k at level l     (02's centroids.pt, d dims)
+              c'_{l,k} = P(c_{l,k})    P = truncate to d_model (d >= d_model), else zero-pad or a fixed seeded
+                                      orthonormal d -> d_model map (both keep every pairwise distance)
+              e_{l,k} = s * (c'_{l,k} - mean_{l,k} c') + mu            (Alg. 1 mean shift; s = 1 "plain",
+                        s = rms spread of the existing rows / rms spread of the c' ("matched"))
+    shuffled: the centroid rows permuted among the codes of each level (same rows, no semantic alignment)
+
+Rows are written by token id (never weight[-n:]: Qwen-style checkpoints have padding rows past the tokenizer).
+An untied output head gets the same recipe with the head's own statistics. "Existing rows" = the rows of
+the tokens the tokenizer had before (padding rows excluded; for SmolLM2 the two are the same).
+
+Reads:  <out-dir>/sids.npy, <out-dir>/centroids.pt (02), the base model (--model)
+Writes: <out-dir>/models/<init>/ (model + tokenizer via save_pretrained, plus sid_vocab.json),
+        <out-dir>/03_expand_vocab.json (per init: num_new_tokens, norms of new vs old rows, seconds)
+
+CPU:  python 03_expand_vocab.py                         (all four inits, ~30 s for SmolLM2-135M)
+GPU:  same command (nothing here needs a GPU); any HF causal LM: --model Qwen/Qwen3-0.6B
+Good run prints the number of new tokens per level and, per init, the mean norm of new vs old rows, e.g.
+  init=centroid  new rows |e| 3.3 (old 3.2)  -> out/ml-100k/models/centroid
+"""
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+INITS = ("random", "mean", "centroid", "shuffled")
+
+
+@dataclass
+class Args:
+    out_dir: str = "out/ml-100k"
+    """artifacts folder: reads sids.npy and centroids.pt, writes models/<init>/ and 03_expand_vocab.json"""
+    model: str = "models/SmolLM2-135M-Instruct"
+    """base causal LM: a Hugging Face folder or hub name (tied or untied head)"""
+    init: str = "all"
+    """random | mean | centroid | shuffled | all (all = the four folders from one load of the base model)"""
+    centroid_map: str = "orthogonal"
+    """centroid init when d < d_model: pad (zero-pad) | orthogonal (seeded orthonormal d -> d_model map)"""
+    centroid_scale: str = "matched"
+    """centroid init: plain (the paper's mean shift only) | matched (also scale to the existing rows' spread)"""
+    device: str = "auto"
+    """auto | cpu | cuda | mps (only where the statistics are computed; cpu is fast enough)"""
+    seed: int = 0
+    """seeds random, numpy and torch (random rows, orthonormal map, shuffle)"""
+
+
+def die(msg: str):
+    """Bad input ends the run with one clear line on stderr and exit status 1."""
+    sys.exit(f"error: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        die(f"{message} (see `python {self.prog} --help`)")
+
+
+def parse_args() -> Args:
+    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
+    src = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
+    for f in dataclasses.fields(Args):
+        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        else:
+            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
+            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+    return Args(**vars(p.parse_args()))
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but CUDA is not available; use --device cpu")
+    if name not in ("cpu", "cuda", "mps"):
+        die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
+    return torch.device(name)
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_pt(path: str, hint: str):
+    """torch.load(weights_only=True) with a one-line error that says which step makes the file."""
+    if not os.path.exists(path):
+        die(f"{path} not found; {hint}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The math: four initializations of the new rows
+# ---------------------------------------------------------------------------------------------------
+def level_letter(l: int) -> str:
+    """a, b, ..., z, then aa, ab, ... (more than 26 levels is unusual but stays readable)."""
+    return chr(97 + l) if l < 26 else level_letter(l // 26 - 1) + chr(97 + l % 26)
+
+
+def map_to_width(c: torch.Tensor, d_model: int, how: str, gen: torch.Generator) -> torch.Tensor:
+    """(n, d) centroids -> (n, d_model). Truncation for d >= d_model (MRL prefixes); else pad / orthonormal."""
+    n, d = c.shape
+    if d >= d_model:
+        return c[:, :d_model]                                  # truncate (the paper's choice)   (n, d_model)
+    if how == "pad":
+        return torch.cat([c, c.new_zeros(n, d_model - d)], 1)  # zero-pad                          (n, d_model)
+    q, r = torch.linalg.qr(torch.randn(d_model, d, generator=gen, dtype=torch.float64))  # Q: (d_model, d)
+    q = q * torch.sign(torch.diagonal(r))                      # unique (Haar) orthonormal columns, Q^T Q = I
+    return (c.double() @ q.T).to(c.dtype)                      # x -> Q x keeps all distances     (n, d_model)
+
+
+def new_rows(init: str, old: torch.Tensor, cents: list, args: Args) -> torch.Tensor:
+    """Rows for the new tokens in (level, code) order.  old: (V_old, D) fp32; cents: per level (n_l, d)."""
+    n = sum(len(c) for c in cents)
+    mu, sigma = old.mean(0), old.std(0)                       # per-dimension statistics        (D,)
+    gen = torch.Generator().manual_seed(args.seed)
+    if init == "random":
+        return mu + sigma * torch.randn(n, old.shape[1], generator=gen)   # e ~ N(mu, diag sigma^2)  (n, D)
+    if init == "mean":
+        return mu.expand(n, -1).clone()                                   # e = mu                   (n, D)
+    # centroid / shuffled: map, center on the centroids' own mean, (scale), shift to mu   (Alg. 1)
+    c = map_to_width(torch.cat(cents), old.shape[1], args.centroid_map, gen)   # (n, D)
+    c = c - c.mean(0)                                                       # c' - mean_{l,k} c'
+    if args.centroid_scale == "matched":                                    # rms spread: old rows / centroids
+        c = c * ((old - mu).pow(2).sum(1).mean().sqrt() / c.pow(2).sum(1).mean().sqrt().clamp_min(1e-12))
+    rows = c + mu                                                           # + mean(pretrained rows)  (n, D)
+    if init == "shuffled":                                                  # permute within each level
+        perm_gen, start, order = torch.Generator().manual_seed(args.seed + 1), 0, []
+        for cl in cents:
+            order.append(start + torch.randperm(len(cl), generator=perm_gen))
+            start += len(cl)
+        rows = rows[torch.cat(order)]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data: the codes actually used, their centroids, the token names
+# ---------------------------------------------------------------------------------------------------
+def load_codes(args: Args):
+    path = os.path.join(args.out_dir, "sids.npy")
+    if not os.path.exists(path):
+        die(f"{path} not found; run 02_rqvae.py first (or pass --out-dir)")
+    try:
+        sids = np.load(path)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); rerun 02_rqvae.py")
+    if sids.ndim != 2 or sids.dtype.kind not in "iu" or len(sids) == 0 or sids.min() < 0:
+        die(f"{path} must be a non-negative int array [N, L+1]; rerun 02_rqvae.py")
+    cp = load_pt(os.path.join(args.out_dir, "centroids.pt"), "run 02_rqvae.py first")
+    if not isinstance(cp, dict) or "centroids" not in cp or len(cp["centroids"]) != sids.shape[1]:
+        die(f"{args.out_dir}/centroids.pt has no per-level `centroids` for {sids.shape[1]} levels; rerun 02_rqvae.py")
+    used = [np.unique(sids[:, l]).tolist() for l in range(sids.shape[1])]           # codes used per level
+    for l, u in enumerate(used):
+        if u[-1] >= len(cp["centroids"][l]):
+            die(f"sids.npy uses code {u[-1]} at level {l} but centroids.pt has {len(cp['centroids'][l])}; rerun 02")
+    cents = [cp["centroids"][l].float()[u] for l, u in enumerate(used)]              # per level (n_l, d)
+    sizes = [int(len(cp["centroids"][l])) for l in range(sids.shape[1])]
+    return sids.astype(np.int64), used, cents, sizes
+
+
+def load_base(args: Args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
+    except Exception as e:
+        what = "not found" if not os.path.exists(args.model) else f"unreadable ({type(e).__name__})"
+        die(f"--model {args.model}: {what}; pass a Hugging Face causal LM folder (`make setup` makes the default)")
+    return tok, model
+
+
+# ---------------------------------------------------------------------------------------------------
+# Save: one Hugging Face folder per init, written to a temp folder then swapped in
+# ---------------------------------------------------------------------------------------------------
+def save_folder(dst: str, model, tok, vocab: dict):
+    tmp, old = f"{dst}.tmp", f"{dst}.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "sid_vocab.json"), "w") as f:
+        json.dump(vocab, f)
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(dst):
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def main():
+    args = parse_args()
+    inits = list(INITS) if args.init == "all" else [args.init]
+    if args.init != "all" and args.init not in INITS:
+        die(f"unknown --init {args.init!r}; use {' | '.join(INITS)} | all")
+    if args.centroid_map not in ("pad", "orthogonal"):
+        die(f"unknown --centroid-map {args.centroid_map!r}; use pad | orthogonal")
+    if args.centroid_scale not in ("plain", "matched"):
+        die(f"unknown --centroid-scale {args.centroid_scale!r}; use plain | matched")
+    seed_everything(args.seed)
+    device = pick_device(args.device)
+    t0 = time.time()
+    sids, used, cents, sizes = load_codes(args)
+    L1 = sids.shape[1]
+    letters = [level_letter(l) for l in range(L1)]
+    names = [f"<{letters[l]}_{k}>" for l in range(L1) for k in used[l]]
+    print(f"{len(sids)} items, {L1} levels; new tokens per level: "
+          + ", ".join(f"{letters[l]}={len(u)}" for l, u in enumerate(used)) + f" (total {len(names)})")
+
+    # --- tokenizer + embedding matrix: add the tokens, resize only if the matrix is too small -------------
+    tok, model = load_base(args)
+    vocab_before = len(tok)
+    if any(t in tok.get_vocab() for t in names):
+        die(f"--model {args.model} already has SID tokens (e.g. {names[0]}); pass the base model, not a 03 output")
+    tok.add_tokens(names)                                   # plain added tokens: "<a_1><b_2>" splits into ids
+    ids = torch.tensor(tok.convert_tokens_to_ids(names))    # token id of each new row         (n,)
+    if len(tok) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tok), mean_resizing=False)   # rows overwritten by id below
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = head is not None and head.weight.data_ptr() != emb.weight.data_ptr()
+    mats = {"embed": emb.weight} | ({"head": head.weight} if untied else {})
+    old_ids = torch.arange(min(vocab_before, emb.weight.shape[0]))      # rows of pre-existing tokens
+    olds = {k: w.detach()[old_ids].to(device, torch.float32) for k, w in mats.items()}  # (V_old, D)
+    print(f"model {args.model}: vocab {vocab_before} -> {len(tok)}, matrix rows {emb.weight.shape[0]}, "
+          f"d_model {emb.weight.shape[1]}, head {'untied' if untied else 'tied'}; centroid d = {cents[0].shape[1]}")
+
+    # --- sid_vocab.json: token ids per level and code, each item's SID ------------------------------------
+    tid = {(l, k): int(i) for (l, k), i in zip([(l, k) for l in range(L1) for k in used[l]], ids)}
+    vocab = {
+        "num_levels": L1, "level_names": letters, "codebook_sizes": sizes,
+        "token_ids": [[tid.get((l, k), -1) for k in range(sizes[l])] for l in range(L1)],
+        "item_token_ids": [[tid[(l, int(c))] for l, c in enumerate(row)] for row in sids],
+        "item_sids": ["".join(f"<{letters[l]}_{int(c)}>" for l, c in enumerate(row)) for row in sids],
+    }
+
+    # --- one folder per init ---------------------------------------------------------------------------
+    summary_path = os.path.join(args.out_dir, "03_expand_vocab.json")
+    summary = {}
+    if os.path.exists(summary_path):              # keep the other inits' rows when writing only one
+        try:
+            summary = json.load(open(summary_path))
+        except Exception:
+            summary = {}
+    os.makedirs(os.path.join(args.out_dir, "models"), exist_ok=True)
+    for init in inits:
+        t1 = time.time()
+        norms = {}
+        with torch.no_grad():
+            for k, w in mats.items():
+                rows = new_rows(init, olds[k], [c.to(device) for c in cents], args)   # (n, D) by (level, code)
+                w[ids.to(w.device)] = rows.to(w.device, w.dtype)                     # write by token id
+                norms[k] = {"new_mean_norm": round(float(rows.norm(dim=1).mean()), 4),
+                            "old_mean_norm": round(float(olds[k].norm(dim=1).mean()), 4),
+                            "new_rms_spread": round(float((rows - rows.mean(0)).pow(2).sum(1).mean().sqrt()), 4),
+                            "old_rms_spread": round(float((olds[k] - olds[k].mean(0)).pow(2).sum(1).mean().sqrt()), 4)}
+        dst = os.path.join(args.out_dir, "models", init)
+        save_folder(dst, model, tok, vocab | {"init": init})
+        summary[init] = {"init": init, "num_new_tokens": len(names), "model": args.model,
+                         "vocab_before": vocab_before, "vocab_after": len(tok), "tied": not untied,
+                         "centroid_map": args.centroid_map, "centroid_scale": args.centroid_scale,
+                         "norms": norms, "seconds": round(time.time() - t1, 2)}
+        e = norms["embed"]
+        print(f"init={init:9s} new rows |e| {e['new_mean_norm']:.3f} (old {e['old_mean_norm']:.3f}), "
+              f"spread {e['new_rms_spread']:.3f} (old {e['old_rms_spread']:.3f})  -> {dst}")
+    atomic_write(summary_path, lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
+    print(f"done in {time.time() - t0:.1f}s; summary -> {summary_path}")
+
+
+if __name__ == "__main__":
+    main()
