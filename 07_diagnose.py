@@ -55,6 +55,8 @@ class Args:
     """dataset name, only used for the default --out-dir"""
     models: str = ""
     """comma-separated model folders (or names under <out-dir>/models); default: all with sid_vocab.json"""
+    names: str = ""
+    """comma-separated labels for --models (default: each folder's name)"""
     save: str = ""
     """diagnostics JSON path (default: <out-dir>/diagnostics.json); figures go beside it"""
     k: int = 10
@@ -469,6 +471,9 @@ def main():
                          if os.path.exists(os.path.join(root, m, "sid_vocab.json")))
         if not folders:
             die(f"no model folder with sid_vocab.json under {root}; run 03_expand_vocab.py first")
+    labels = a.names.split(",") if a.names else [os.path.basename(os.path.normpath(f)) for f in folders]
+    if len(labels) != len(folders) or len(set(labels)) != len(labels):
+        die(f"--names must give {len(folders)} distinct labels, one per model (got {labels}); folder names clash")
     loaded = [(f, *load_model_rows(f, sids)) for f in folders]         # validate all before any work
     names = loaded[0][1].get("level_names") or [chr(97 + l) for l in range(sids.shape[1])]
     data["names"] = names
@@ -484,8 +489,7 @@ def main():
           f"{reference['purity_random_sid_rows']:.3f}  chance {reference['purity_chance']:.3f}")
 
     results, raw = {}, {}
-    for folder, voc, tok, item_tok, E, vocab in loaded:
-        name = os.path.basename(os.path.normpath(folder))
+    for name, (folder, voc, tok, item_tok, E, vocab) in zip(labels, loaded):
         res, raw[name] = diagnose(E, tok, item_tok, vocab, data, a)
         results[name] = {"path": folder, "init": voc.get("init"), **res}
         al = res["levels"]["all"]

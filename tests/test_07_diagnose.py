@@ -161,9 +161,9 @@ def test_diagnose_save_path_and_subset(diag_setup, tmp_path):
     out, _ = diag_setup
     save = str(tmp_path / "sub" / "after_init.json")
     run("07_diagnose.py", "--out-dir", out, "--models", "random," + os.path.join(out, "models", "mean"),
-        "--save", save)
+        "--save", save, "--names", "R,M")
     d = json.load(open(save))
-    assert list(d["models"]) == ["random", "mean"]
+    assert list(d["models"]) == ["R", "M"]
     assert os.path.exists(str(tmp_path / "sub" / "after_init_cosine.png"))
 
 
