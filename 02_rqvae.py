@@ -1,0 +1,389 @@
+"""Step 2: RQ-VAE semantic IDs - residual quantization of item embeddings, collision suffix, per-code centroids.
+
+Paper step: TIGER's Semantic-ID tokenizer (Rajput et al. 2023, sec. 3.1, Fig. 3), used by both papers; the
+per-code centroids are the centroid paper's mu_{l,k} (Loveland et al. 2026, Algorithm 1, line 2).
+
+    z = enc(x)                                   MLP encoder, x = item text embedding (d) -> latent (D)
+    r_0 = z;  c_l = argmin_k ||r_l - e^l_k||;  r_{l+1} = r_l - e^l_{c_l}        l = 0..L-1   (eq. 1)
+    z_q = sum_l e^l_{c_l};  x_hat = dec(z + sg[z_q - z])                    straight-through estimator
+    loss = ||x - x_hat||^2 + sum_l ( ||sg[r_l] - e^l_{c_l}||^2 + beta ||r_l - sg[e^l_{c_l}]||^2 ),  beta = 0.25
+    codebook init: k-means on the first batch, level by level on the residuals
+    dead codes: every --reseed-every steps, codes no batch picked since the last check get a random
+                current residual of their level (so every code stays in play)
+    collision suffix (TIGER): SID = (c_0, ..., c_{L-1}, s), s = 0, 1, 2, ... among items sharing c_0..c_{L-1},
+                numbered in item order (stable), so every SID is unique
+    centroids: mu_{l,k} = mean of x_i over the items with code k at level l (item-embedding space), l = 0..L
+
+Reads:  <out-dir>/item_emb.npy (from 01_embed_items.py); dataset.pt only to check the item count.
+Writes: <out-dir>/sids.npy (int64 [N, L+1]), centroids.pt, rqvae.pt, 02_rqvae.json (docs/artifacts.md).
+--codebook-size 0 (auto) = 64 codes per level for N <= 4096 items (ML-100K: 1,682), else 256 (Beauty: 12,101).
+
+CPU:  python 02_rqvae.py --out-dir out/ml-100k                  (~30 s)
+      python 02_rqvae.py --out-dir out/amazon-beauty            (K=256, ~1-2 min)
+GPU:  python 02_rqvae.py --out-dir out/amazon-beauty --device cuda --batch-size 2048 --steps 5000
+Good run prints one line per interval, e.g. "step 2000 | loss 0.24 | recon_mse 4.0e-04 | usage 1.00/0.98/0.97 ...",
+then "collision rate ... -> 0 duplicate SIDs after the suffix".
+"""
+# ---------------------------------------------------------------------------------------------------
+# Shared boilerplate: COPY this block into each numbered script (no imports between numbered scripts;
+# duplication is accepted, cleanrl-style). Keep names identical across scripts.
+# ---------------------------------------------------------------------------------------------------
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch.nn as nn  # noqa: E402  (step-specific imports)
+import torch.nn.functional as F  # noqa: E402
+
+
+@dataclass
+class Args:
+    dataset: str = "ml-100k"
+    """only picks the default --out-dir (out/<dataset>)"""
+    out_dir: str = ""
+    """artifacts folder with 01's item_emb.npy (default: out/<dataset>)"""
+    levels: int = 3
+    """L, number of residual quantization levels (the collision suffix adds one more)"""
+    codebook_size: int = 0
+    """K codes per level (0 = auto: 64 for N <= 4096 items, else 256)"""
+    latent_dim: int = 32
+    """D, width of the RQ-VAE latent"""
+    hidden: str = "256,128"
+    """encoder MLP widths (the decoder mirrors them)"""
+    steps: int = 1500
+    """optimizer steps"""
+    batch_size: int = 512
+    """items per step (the first batch also seeds the k-means codebooks)"""
+    lr: float = 1e-3
+    """AdamW learning rate"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay (MLP weights only, not the codebooks)"""
+    beta: float = 0.25
+    """commitment weight"""
+    kmeans_iters: int = 25
+    """Lloyd iterations of the k-means codebook init"""
+    reseed_every: int = 100
+    """re-seed codes unused for this many steps (0 = never)"""
+    log_every: int = 250
+    """steps between log lines"""
+    device: str = "auto"
+    """auto | cpu | cuda | mps"""
+    threads: int = 1
+    """CPU threads for torch (0 = torch's default; this small MLP runs fastest on 1, esp. on a busy machine)"""
+    seed: int = 0
+    """seeds random, numpy and torch"""
+
+
+def die(msg: str):
+    """Bad input ends the run with one clear line on stderr and exit status 1."""
+    sys.exit(f"error: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        die(f"{message} (see `python {self.prog} --help`)")
+
+
+def parse_args() -> Args:
+    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
+    src = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
+    for f in dataclasses.fields(Args):
+        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        else:
+            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
+            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+    return Args(**vars(p.parse_args()))
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but CUDA is not available; use --device cpu")
+    if name not in ("cpu", "cuda", "mps"):
+        die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
+    return torch.device(name)
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_pt(path: str, hint: str):
+    """torch.load(weights_only=True) with a one-line error that says which step makes the file."""
+    if not os.path.exists(path):
+        die(f"{path} not found; {hint}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The math: k-means init, residual quantization, RQ-VAE, collision suffix, centroids
+# ---------------------------------------------------------------------------------------------------
+def kmeans(x, k: int, iters: int, gen: torch.Generator):
+    """k-means++ seeding + Lloyd iterations. x (n, D) -> centers (k, D), assignment (n,).
+    An empty cluster keeps its previous center; with n < k the extra centers repeat points (dead codes)."""
+    n = x.shape[0]
+    first = torch.randint(n, (1,), generator=gen, device="cpu").item()
+    centers = [x[first]]
+    d2 = ((x - x[first]) ** 2).sum(-1)                                        # (n,) distance to nearest center
+    for _ in range(1, k):
+        p = d2.double().cpu() if d2.sum() > 0 else torch.ones(n, dtype=torch.float64)
+        i = torch.multinomial(p / p.sum(), 1, generator=gen).item()           # D^2 sampling
+        centers.append(x[i])
+        d2 = torch.minimum(d2, ((x - x[i]) ** 2).sum(-1))
+    centers = torch.stack(centers)                                            # (k, D)
+    for _ in range(iters):
+        assign = torch.cdist(x, centers).argmin(1)                            # (n,)
+        sums = torch.zeros_like(centers).index_add_(0, assign, x)             # (k, D)
+        counts = torch.bincount(assign, minlength=k).unsqueeze(1)             # (k, 1)
+        centers = torch.where(counts > 0, sums / counts.clamp(min=1), centers)
+    return centers, torch.cdist(x, centers).argmin(1)
+
+
+def residual_quantize(z, codebooks):
+    """z (B, D), codebooks (L, K, D) -> codes (B, L), z_q = sum_l e^l_{c_l} (B, D), residuals [r_0..r_L].
+    Codewords enter the residual chain detached: r_{l+1} = r_l - sg[e^l_{c_l}] (gradients reach z only)."""
+    r, codes, z_q, residuals = z, [], torch.zeros_like(z), [z]
+    for cb in codebooks:                                                      # cb (K, D)
+        c = torch.cdist(r.detach(), cb.detach()).argmin(1)                    # c_l = argmin_k ||r_l - e_k||  (B,)
+        e = cb[c]                                                             # e^l_{c_l}  (B, D)
+        z_q = z_q + e                                                         # z_q = sum_l e^l_{c_l}
+        r = r - e.detach()                                                    # r_{l+1} = r_l - e  (B, D)
+        codes.append(c)
+        residuals.append(r)
+    return torch.stack(codes, 1), z_q, residuals
+
+
+def mlp(widths):
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), nn.SiLU()]
+    return nn.Sequential(*layers[:-1])                                        # no activation on the output
+
+
+class RQVAE(nn.Module):
+    def __init__(self, d: int, hidden, latent: int, levels: int, k: int):
+        super().__init__()
+        self.encoder = mlp([d, *hidden, latent])
+        self.decoder = mlp([latent, *reversed(hidden), d])
+        self.codebooks = nn.Parameter(torch.zeros(levels, k, latent))          # e^l_k  (L, K, D)
+
+    @torch.no_grad()
+    def kmeans_init(self, x, iters: int, gen: torch.Generator):
+        """Each level's codebook = k-means centers of that level's residuals on x (the first batch)."""
+        r = self.encoder(x)
+        for l in range(self.codebooks.shape[0]):
+            centers, assign = kmeans(r, self.codebooks.shape[1], iters, gen)
+            self.codebooks.data[l] = centers
+            r = r - centers[assign]
+
+    def forward(self, x, beta: float):
+        z = self.encoder(x)                                                   # (B, D)
+        codes, z_q, residuals = residual_quantize(z, self.codebooks)
+        x_hat = self.decoder(z + (z_q - z).detach())                          # straight-through  (B, d)
+        recon = ((x - x_hat) ** 2).sum(-1).mean()                             # ||x - x_hat||^2
+        quant = 0.0
+        for l in range(self.codebooks.shape[0]):
+            e, r = self.codebooks[l][codes[:, l]], residuals[l]               # (B, D) each
+            quant = quant + ((r.detach() - e) ** 2).sum(-1).mean()            # codebook: ||sg[r_l] - e||^2
+            quant = quant + beta * ((r - e.detach()) ** 2).sum(-1).mean()     # commitment: beta ||r_l - sg[e]||^2
+        return recon + quant, recon, x_hat, codes, residuals
+
+
+def collision_suffix(codes: np.ndarray) -> np.ndarray:
+    """TIGER's extra level: s_i = #earlier items (lower index) with the same codes (N, L) -> (N,). Stable."""
+    suffix, seen = np.zeros(len(codes), np.int64), {}
+    for i, key in enumerate(map(tuple, codes.tolist())):
+        suffix[i] = seen.get(key, 0)
+        seen[key] = suffix[i] + 1
+    return suffix
+
+
+def code_centroids(sids: np.ndarray, emb: np.ndarray, sizes):
+    """mu_{l,k} = mean of x_i over items with sids[i, l] == k -> ([K_l, d] per level, counts [K_l])."""
+    x = torch.from_numpy(emb)
+    cents, counts = [], []
+    for l, k in enumerate(sizes):
+        c = torch.from_numpy(sids[:, l])
+        n = torch.bincount(c, minlength=k)                                    # (K_l,)
+        s = torch.zeros(k, x.shape[1]).index_add_(0, c, x)                    # (K_l, d)
+        cents.append(s / n.clamp(min=1).unsqueeze(1).float())                 # zero rows for unused codes
+        counts.append(n)
+    return cents, counts
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------
+def load_embeddings(out_dir: str) -> np.ndarray:
+    path = os.path.join(out_dir, "item_emb.npy")
+    hint = "run 01_embed_items.py first (or pass --out-dir with its output)"
+    if not os.path.isfile(path):
+        die(f"{path} not found; {hint}")
+    try:
+        emb = np.load(path, allow_pickle=False)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+    if emb.ndim != 2 or emb.shape[0] < 2 or not np.issubdtype(emb.dtype, np.floating) or not np.isfinite(emb).all():
+        die(f"{path} must be a finite float array [N, d] with N >= 2 (got {emb.dtype} {emb.shape}); {hint}")
+    ds_path = os.path.join(out_dir, "dataset.pt")
+    if os.path.exists(ds_path):
+        n = len(load_pt(ds_path, hint).get("item_ids", []))
+        if n != emb.shape[0]:
+            die(f"{path} has {emb.shape[0]} rows but {ds_path} has {n} items; re-run 01_embed_items.py")
+    return emb.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# main: train -> assign codes -> suffix -> centroids -> save
+# ---------------------------------------------------------------------------------------------------
+def main():
+    args = parse_args()
+    t0 = time.time()
+    seed_everything(args.seed)
+    out_dir = args.out_dir or os.path.join("out", args.dataset)
+    device = pick_device(args.device)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    print(f"device {device}  dtype float32  threads {torch.get_num_threads()}")
+    try:
+        hidden = [int(h) for h in args.hidden.split(",") if h.strip()]
+    except ValueError:
+        die(f"--hidden must be comma-separated ints, got {args.hidden!r}")
+    if args.levels < 1 or args.latent_dim < 1 or args.steps < 1 or args.batch_size < 1 or args.codebook_size < 0:
+        die("--levels, --latent-dim, --steps, --batch-size must be >= 1 and --codebook-size >= 0")
+
+    emb = load_embeddings(out_dir)                                             # (N, d)
+    N, d = emb.shape
+    K = args.codebook_size or (64 if N <= 4096 else 256)
+    x_all = torch.from_numpy(emb).to(device)
+    gen = torch.Generator().manual_seed(args.seed)                             # batch order + k-means
+    model = RQVAE(d, hidden, args.latent_dim, args.levels, K).to(device)
+    print(f"items {N}  d {d}  levels {args.levels} x {K} codes  latent {args.latent_dim}  hidden {hidden}")
+
+    # k-means init of every level on the first batch
+    perm, pos = torch.randperm(N, generator=gen), 0
+    model.kmeans_init(x_all[perm[:max(args.batch_size, min(N, K))].to(device)], args.kmeans_iters, gen)
+    decay = [p for n, p in model.named_parameters() if n != "codebooks" and p.dim() > 1]
+    rest = [p for n, p in model.named_parameters() if n == "codebooks" or p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=args.lr)
+
+    used = torch.zeros(args.levels, K, dtype=torch.bool, device=device)        # picked since last re-seed check
+    logged = torch.zeros(args.levels, K, dtype=torch.bool, device=device)      # picked since last log line
+    t_log, reseeded = time.time(), 0
+    for step in range(1, args.steps + 1):
+        if pos + args.batch_size > N and pos > 0:                              # new epoch, new order
+            perm, pos = torch.randperm(N, generator=gen), 0
+        idx = perm[pos:pos + args.batch_size].to(device)
+        pos += args.batch_size
+        x = x_all[idx]                                                          # (B, d)
+        loss, recon, x_hat, codes, residuals = model(x, args.beta)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        for l in range(args.levels):
+            used[l, codes[:, l]] = True
+            logged[l, codes[:, l]] = True
+        if args.reseed_every and step % args.reseed_every == 0 and step < args.steps:
+            with torch.no_grad():                                              # dead codes <- random residuals
+                for l in range(args.levels):
+                    dead = (~used[l]).nonzero().squeeze(1)
+                    if len(dead):
+                        pick = torch.randint(len(x), (len(dead),), generator=gen).to(device)
+                        model.codebooks.data[l, dead] = residuals[l].detach()[pick]
+                        reseeded += len(dead)
+            used.zero_()
+        if step % args.log_every == 0 or step == args.steps:
+            mse = F.mse_loss(x_hat.detach(), x).item()
+            usage = "/".join(f"{u:.2f}" for u in logged.float().mean(1).tolist())
+            ms = (time.time() - t_log) * 1000 / (args.log_every if step % args.log_every == 0 else step % args.log_every)
+            print(f"step {step:5d} | loss {loss.item():.4f} (quant {loss.item() - recon.item():.4f}) | "
+                  f"recon_mse {mse:.2e} | lr {args.lr:.1e} | "
+                  f"{ms:.1f} ms/step | usage {usage} | re-seeded {reseeded}", flush=True)
+            logged.zero_()
+            t_log = time.time()
+
+    # ------------------------------------------------------------------------------------------------
+    # Assign every item, add the collision suffix, report, compute centroids
+    # ------------------------------------------------------------------------------------------------
+    model.eval()
+    with torch.no_grad():
+        z = model.encoder(x_all)
+        codes, z_q, _ = residual_quantize(z, model.codebooks)                  # (N, L)
+        err = ((model.decoder(z_q) - x_all) ** 2).sum()                          # sum_i ||x_i - x_hat_i||^2
+        recon_mse = (err / x_all.numel()).item()
+        recon_rel_err = (err / ((x_all - x_all.mean(0)) ** 2).sum()).item()    # 1 - R^2 of the reconstruction
+    codes = codes.cpu().numpy().astype(np.int64)
+    groups = {}
+    for key in map(tuple, codes.tolist()):
+        groups[key] = groups.get(key, 0) + 1
+    collision_rate = 1.0 - len(groups) / N                                     # share of items with suffix > 0
+    max_group = max(groups.values())
+    sids = np.concatenate([codes, collision_suffix(codes)[:, None]], 1)       # (N, L+1)
+    unique = len({tuple(r) for r in sids.tolist()})
+    usage = [float(len(np.unique(codes[:, l]))) / K for l in range(args.levels)]
+    print(f"codebook usage per level {' / '.join(f'{u:.3f}' for u in usage)}  recon_mse {recon_mse:.3e}  "
+          f"relative error {recon_rel_err:.3f}")
+    print(f"collision rate {collision_rate:.4f} ({N - len(groups)} items share their {args.levels} codes; "
+          f"largest group {max_group}) -> {N - unique} duplicate SIDs after the suffix")
+    sizes = [K] * args.levels + [max_group]
+    cents, counts = code_centroids(sids, emb, sizes)
+
+    # ------------------------------------------------------------------------------------------------
+    # Save
+    # ------------------------------------------------------------------------------------------------
+    config = {"d": d, "levels": args.levels, "codebook_size": K, "latent_dim": args.latent_dim, "hidden": hidden,
+              "beta": args.beta, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+              "weight_decay": args.weight_decay, "kmeans_iters": args.kmeans_iters,
+              "reseed_every": args.reseed_every, "seed": args.seed}
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    atomic_write(os.path.join(out_dir, "sids.npy"), lambda t: np.save(open(t, "wb"), sids))
+    atomic_write(os.path.join(out_dir, "centroids.pt"),
+                 lambda t: torch.save({"centroids": cents, "counts": counts, "codebook_sizes": sizes}, t))
+    atomic_write(os.path.join(out_dir, "rqvae.pt"), lambda t: torch.save(
+        {"config": config, "state_dict": state, "codebooks": [c.clone() for c in state["codebooks"]]}, t))
+    summary = {"num_items": N, "unique_sids": unique, "collision_rate": round(collision_rate, 6),
+               "max_collision_group": max_group, "codebook_usage": usage, "recon_mse": recon_mse,
+               "recon_rel_err": recon_rel_err, "codebook_sizes": sizes, "reseeded_codes": reseeded, "seconds": round(time.time() - t0, 1)}
+    atomic_write(os.path.join(out_dir, "02_rqvae.json"), lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
+    print(f"wrote {out_dir}/sids.npy {sids.shape}, centroids.pt, rqvae.pt, 02_rqvae.json in {summary['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
