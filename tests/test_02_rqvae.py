@@ -1,0 +1,187 @@
+"""02_rqvae.py: the quantizer's math (residual identity, k-means init, collision suffix, centroids),
+determinism, an 01 -> 02 smoke run on ML-100K, and bad input."""
+import importlib.util
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ML100K, REPO, assert_one_line_error, make_synthetic_out, run
+
+
+def load_script(name):
+    """Numbered scripts start with a digit, so they are loaded by path, not imported by name."""
+    spec = importlib.util.spec_from_file_location("step_" + name[:-3], os.path.join(REPO, name))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+Q = load_script("02_rqvae.py")
+TINY = ["--codebook-size", "4", "--levels", "2", "--latent-dim", "8", "--hidden", "32", "--steps", "40",
+        "--batch-size", "32", "--log-every", "20", "--reseed-every", "10", "--device", "cpu"]
+
+
+def blobs(n_per=50, centers=((0, 0), (10, 0), (0, 10)), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    c = torch.tensor(centers, dtype=torch.float32)
+    x = torch.cat([ci + 0.3 * torch.randn(n_per, 2, generator=g) for ci in c])
+    return x, c, torch.arange(len(c)).repeat_interleave(n_per)
+
+
+# --- math --------------------------------------------------------------------------------------------
+def test_residual_quantization_identity():
+    g = torch.Generator().manual_seed(0)
+    z, codebooks = torch.randn(100, 8, generator=g), torch.randn(3, 16, 8, generator=g)
+    codes, z_q, res = Q.residual_quantize(z, codebooks)
+    assert codes.shape == (100, 3) and len(res) == 4
+    chosen = sum(codebooks[l][codes[:, l]] for l in range(3))                     # sum of chosen codewords
+    torch.testing.assert_close(z_q, chosen)
+    torch.testing.assert_close(z - z_q, res[-1], atol=1e-5, rtol=0)               # r_L = z - z_q
+    for l in range(3):                                                             # c_l is the nearest codeword
+        brute = ((res[l][:, None, :] - codebooks[l][None]) ** 2).sum(-1).argmin(1)
+        assert torch.equal(codes[:, l], brute)
+        torch.testing.assert_close(res[l + 1], res[l] - codebooks[l][codes[:, l]])
+
+
+def test_residual_norms_shrink_with_kmeans_codebooks():
+    torch.manual_seed(0)
+    model = Q.RQVAE(d=16, hidden=[32], latent=8, levels=3, k=16)
+    x = torch.randn(400, 16)
+    model.kmeans_init(x, iters=20, gen=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, _, res = Q.residual_quantize(model.encoder(x), model.codebooks)
+    norms = [r.norm(dim=1).mean().item() for r in res]
+    assert all(b < a for a, b in zip(norms, norms[1:])), norms
+
+
+def test_kmeans_recovers_blobs_and_is_deterministic():
+    x, true_c, labels = blobs()
+    c1, a1 = Q.kmeans(x, 3, 20, torch.Generator().manual_seed(1))
+    c2, a2 = Q.kmeans(x, 3, 20, torch.Generator().manual_seed(1))
+    assert torch.equal(c1, c2) and torch.equal(a1, a2)
+    match = torch.cdist(true_c, c1).argmin(1)                                     # true center -> found center
+    assert sorted(match.tolist()) == [0, 1, 2]
+    torch.testing.assert_close(c1[match], true_c, atol=0.2, rtol=0)
+    assert torch.equal(a1, match[labels])                                         # every point in its blob
+    for k in range(3):                                                             # Lloyd fixed point: center = mean
+        torch.testing.assert_close(c1[k], x[a1 == k].mean(0))
+
+
+def test_kmeans_init_sets_each_level_to_kmeans_of_its_residuals():
+    torch.manual_seed(0)
+    model = Q.RQVAE(d=6, hidden=[16], latent=2, levels=2, k=3)
+    x = torch.randn(150, 6)
+    model.kmeans_init(x, iters=30, gen=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        r = model.encoder(x)
+        for l in range(2):
+            cb = model.codebooks[l]
+            a = torch.cdist(r, cb).argmin(1)
+            for k in range(3):                                                     # converged: codeword = mean of its cell
+                if (a == k).any():
+                    torch.testing.assert_close(cb[k], r[a == k].mean(0), atol=1e-4, rtol=0)
+            r = r - cb[a]
+
+
+def test_collision_suffix_unique_and_stable():
+    codes = np.array([[1, 2], [0, 0], [1, 2], [3, 3], [1, 2], [0, 0]], dtype=np.int64)
+    s = Q.collision_suffix(codes)
+    assert s.tolist() == [0, 0, 1, 0, 2, 1]                                        # numbered in item order
+    sids = np.concatenate([codes, s[:, None]], 1)
+    assert len({tuple(r) for r in sids.tolist()}) == len(sids)
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 3, (500, 2))
+    s = Q.collision_suffix(big)
+    assert len({tuple(r) for r in np.concatenate([big, s[:, None]], 1).tolist()}) == 500
+    assert np.array_equal(Q.collision_suffix(big[:200]), s[:200])                  # earlier items keep their suffix
+
+
+def test_centroids_are_member_means():
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((30, 5)).astype(np.float32)
+    sids = np.stack([rng.integers(0, 4, 30), rng.integers(0, 6, 30)], 1)
+    sids[sids[:, 1] == 5, 1] = 0                                                   # code 5 unused at level 1
+    cents, counts = Q.code_centroids(sids, emb, [4, 6])
+    for l, k in enumerate([4, 6]):
+        assert cents[l].shape == (k, 5) and int(counts[l].sum()) == 30
+        for code in range(k):
+            members = emb[sids[:, l] == code]
+            assert int(counts[l][code]) == len(members)
+            want = members.mean(0) if len(members) else np.zeros(5, np.float32)
+            np.testing.assert_allclose(cents[l][code].numpy(), want, atol=1e-6)
+
+
+# --- runs --------------------------------------------------------------------------------------------
+def test_same_seed_same_sids(tmp_path):
+    outs = []
+    for name in ("a", "b"):
+        out = make_synthetic_out(str(tmp_path / name))
+        os.remove(os.path.join(out, "sids.npy"))
+        run("02_rqvae.py", "--out-dir", out, "--seed", "3", *TINY)
+        outs.append(np.load(os.path.join(out, "sids.npy")))
+    assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ML100K, "ml-100k.inter")), reason="run `make setup`")
+def test_smoke_01_then_02_on_ml100k(tmp_path):
+    out = tmp_path / "ml"
+    run("01_embed_items.py", "--dataset", "ml-100k", "--max-users", "5", "--out-dir", out, "--device", "cpu")
+    r = run("02_rqvae.py", "--out-dir", out, "--steps", "60", "--batch-size", "64", "--codebook-size", "8",
+            "--log-every", "20", "--device", "cpu")
+    assert sum(line.startswith("step ") for line in r.stdout.splitlines()) == 3  # one line per interval
+    emb = np.load(out / "item_emb.npy")
+    sids = np.load(out / "sids.npy")
+    N = emb.shape[0]
+    assert sids.dtype == np.int64 and sids.shape == (N, 4) and len({tuple(s) for s in sids.tolist()}) == N
+    assert sids[:, :3].max() < 8
+    summary = json.loads((out / "02_rqvae.json").read_text())
+    assert summary["num_items"] == N and summary["unique_sids"] == N and len(summary["codebook_usage"]) == 3
+    assert summary["max_collision_group"] == sids[:, 3].max() + 1
+    cen = torch.load(out / "centroids.pt", weights_only=True)
+    assert cen["codebook_sizes"] == [8, 8, 8, summary["max_collision_group"]] and len(cen["centroids"]) == 4
+    for l in range(4):
+        k = np.bincount(sids[:, l]).argmax()                                       # the most used code
+        np.testing.assert_allclose(cen["centroids"][l][k].numpy(), emb[sids[:, l] == k].mean(0), atol=1e-5)
+    ck = torch.load(out / "rqvae.pt", weights_only=True)
+    assert ck["config"]["codebook_size"] == 8 and len(ck["codebooks"]) == 3 and ck["codebooks"][0].shape == (8, 32)
+    # the saved model reproduces the saved codes
+    model = Q.RQVAE(ck["config"]["d"], ck["config"]["hidden"], ck["config"]["latent_dim"], 3, 8)
+    model.load_state_dict(ck["state_dict"])
+    with torch.no_grad():
+        codes, _, _ = Q.residual_quantize(model.encoder(torch.from_numpy(emb)), model.codebooks)
+    assert np.array_equal(codes.numpy(), sids[:, :3])
+
+
+# --- bad input: one line, non-zero exit, previous outputs intact ---------------------------------------
+def test_out_dir_without_step1(tmp_path):
+    err = assert_one_line_error(run("02_rqvae.py", "--out-dir", tmp_path, *TINY, check=False))
+    assert "item_emb.npy not found" in err and "01_embed_items.py" in err
+
+
+def test_garbled_embeddings_keep_previous_outputs(tmp_path):
+    out = make_synthetic_out(str(tmp_path / "out"))
+    before = open(os.path.join(out, "sids.npy"), "rb").read()
+    with open(os.path.join(out, "item_emb.npy"), "wb") as f:
+        f.write(b"not a numpy file")
+    err = assert_one_line_error(run("02_rqvae.py", "--out-dir", out, *TINY, check=False))
+    assert "item_emb.npy is unreadable" in err
+    np.save(os.path.join(out, "item_emb.npy"), np.full((60, 16), np.nan, np.float32))
+    assert "finite" in assert_one_line_error(run("02_rqvae.py", "--out-dir", out, *TINY, check=False))
+    np.save(os.path.join(out, "item_emb.npy"), np.ones((59, 16), np.float32))      # 01's dataset.pt has 60 items
+    assert "re-run 01_embed_items.py" in assert_one_line_error(run("02_rqvae.py", "--out-dir", out, *TINY,
+                                                                   check=False))
+    assert open(os.path.join(out, "sids.npy"), "rb").read() == before
+    assert not [f for f in os.listdir(out) if ".tmp" in f]
+
+
+def test_unknown_flag(tmp_path):
+    out = make_synthetic_out(str(tmp_path / "out"))
+    before = open(os.path.join(out, "sids.npy"), "rb").read()
+    err = assert_one_line_error(run("02_rqvae.py", "--out-dir", out, "--codebok-size", "8", check=False))
+    assert "--codebok-size" in err
+    assert open(os.path.join(out, "sids.npy"), "rb").read() == before
+    shutil.rmtree(out)
