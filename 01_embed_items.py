@@ -235,7 +235,7 @@ def read_beauty(data_dir: str):
         title, cats, brand = by_asin.get(asin, ("", [], ""))
         cats = [html.unescape(c) for c in cats]
         text = title or "Untitled product"
-        text += (f". Category: {' > '.join(cats)}" if cats else "") + (f". Brand: {brand}" if brand else "")
+        text += (f". Category: {' > '.join(cats)}" if cats else "") + (f". Brand: {brand}" if brand.lower() not in ("", "unknown") else "")
         info[p5] = (text, cats[1] if len(cats) > 1 else cats[0] if cats else "unknown")
     return events, info, id2item
 
