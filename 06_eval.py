@@ -284,12 +284,12 @@ def beam_search(model, prompts, level_tok, nxt, beam: int, pad_id: int):
     return nodes, scores
 
 
-def rank_all(model, prompts, level_tok, nxt, beam, pad_id, batch_size, desc="beam search"):
+def rank_all(model, prompts, level_tok, nxt, beam, pad_id, batch_size, progress=True):
     """Beam search over all prompts in batches of similar length; returns (U, beam) items and scores."""
     order = sorted(range(len(prompts)), key=lambda u: len(prompts[u]))
     items = torch.full((len(prompts), beam), -1, dtype=torch.long)
     scores = torch.full((len(prompts), beam), -math.inf)
-    for s in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
+    for s in tqdm(range(0, len(order), batch_size), desc="beam search", leave=False, disable=not progress):
         us = order[s:s + batch_size]
         it, sc = beam_search(model, [prompts[u] for u in us], level_tok, nxt, beam, pad_id)
         items[us], scores[us] = it.cpu(), sc.cpu()

@@ -1,0 +1,162 @@
+"""Benchmark (not a test): our batched trie-constrained beam search (06_eval.py) vs Hugging Face
+`model.generate(num_beams=B, num_return_sequences=B, prefix_allowed_tokens_fn=...)` (how LC-Rec, LETTER and
+MiniOneRec decode) vs the bare forward passes any such search needs (the "forward floor": one prefill per
+user, the cache copied to the B beams, then one forward per later SID level over users x beams).
+
+Same model, same prompts (06's template over the test histories), same batches of users. Prints the three
+times, whether the top-K lists agree (up to exact score ties), and a last line
+`speedup vs generate: X.Xx, overhead vs forward floor: Y.YYx`.
+
+CPU:  python bench/beam_search.py --model out/ml-100k/models/centroid --users 16 --beam 20
+      python bench/beam_search.py --model out/ml-100k/models/centroid --users 943 --beam 20 --no-generate
+GPU:  python bench/beam_search.py --model out/ml-100k/models/centroid --users 256 --beam 20 --device cuda \
+          --batch-size 64
+"""
+import dataclasses
+import importlib.util
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
+ev = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ev)                  # reuse 06's loader, prompts, trie and search (not a numbered step)
+
+
+@dataclasses.dataclass
+class Args:
+    model: str = "out/ml-100k/models/centroid"
+    """a model folder with SID tokens (03/04/05 output)"""
+    out_dir: str = ""
+    """artifacts folder (default: two levels above --model)"""
+    users: int = 16
+    """the first N users (test split histories)"""
+    beam: int = 20
+    """beam width = top-K"""
+    batch_size: int = 16
+    """users per batch, for all three methods"""
+    generate: bool = True
+    """also time model.generate (slow: it runs every prompt once per beam)"""
+    device: str = "cpu"
+    """cpu | cuda | mps | auto"""
+    dtype: str = "auto"
+    """auto (bfloat16 on CUDA) | float32 | bfloat16"""
+    repeats: int = 2
+    """time ours and the floor this many times (interleaved) and keep the fastest"""
+    max_history: int = 20
+    """history items in the prompt (sft_config.json's value when present)"""
+
+
+ev.Args = Args                                # 06's CLI builder reads the fields and docstrings of ev.Args
+
+
+@torch.no_grad()
+def forward_floor(model, prompts, levels, beam, pad_id, batch_size):
+    """The forward passes alone: prefill once, copy the cache to the beams, one step per later level."""
+    order = sorted(range(len(prompts)), key=lambda u: len(prompts[u]))
+    for s in range(0, len(order), batch_size):
+        ids, mask = ev.left_pad([prompts[u] for u in order[s:s + batch_size]], pad_id, model.device)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        cache, first = out.cache, mask.sum(1, keepdim=True).repeat_interleave(beam, 0)
+        cache.batch_repeat_interleave(beam)
+        mask = mask.repeat_interleave(beam, 0)
+        token = ids[:, -1:].repeat_interleave(beam, 0)                      # any token: same cost
+        for l in range(levels - 1):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+            out = model(input_ids=token, attention_mask=mask, position_ids=first + l, cache=cache, use_cache=True)
+
+
+@torch.no_grad()
+def hf_generate(model, prompts, item_tok, beam, pad_id, batch_size):
+    """model.generate with a prefix trie in prefix_allowed_tokens_fn; returns (U, beam) items and scores."""
+    n, L = item_tok.shape
+    children = {}
+    for row in item_tok.tolist():
+        for t in range(L):
+            children.setdefault(tuple(row[:t]), set()).add(row[t])
+    children = {k: sorted(v) for k, v in children.items()}
+    item_of = {tuple(r): i for i, r in enumerate(item_tok.tolist())}
+    items = torch.full((len(prompts), beam), -1, dtype=torch.long)
+    scores = torch.full((len(prompts), beam), -math.inf)
+    for s in range(0, len(prompts), batch_size):
+        us = list(range(s, min(s + batch_size, len(prompts))))
+        ids, mask = ev.left_pad([prompts[u] for u in us], pad_id, model.device)
+        P = ids.shape[1]
+        fn = lambda b, x: children.get(tuple(x[P:].tolist()), [pad_id])  # noqa: E731
+        out = model.generate(input_ids=ids, attention_mask=mask, num_beams=beam, num_return_sequences=beam,
+                             max_new_tokens=L, min_new_tokens=L, prefix_allowed_tokens_fn=fn, do_sample=False,
+                             length_penalty=0.0, early_stopping=True, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=pad_id, eos_token_id=None)
+        seq = out.sequences[:, P:].view(len(us), beam, -1).cpu()
+        sc = out.sequences_scores.view(len(us), beam).float().cpu()
+        for j, u in enumerate(us):
+            items[u] = torch.tensor([item_of.get(tuple(x[:L].tolist()), -1) for x in seq[j]])
+            scores[u] = sc[j]
+    return items, scores
+
+
+def agreement(a_items, a_scores, b_items, b_scores, tol=1e-4):
+    """Users whose lists are identical, and users whose score lists match position by position (within tol):
+    those differ only in the order of, or choice among, items with equal scores."""
+    same = (a_items == b_items).all(1)
+    tie_only = torch.tensor([torch.allclose(a_scores[u], b_scores[u], atol=tol) for u in range(len(a_items))])
+    finite = torch.isfinite(a_scores) & torch.isfinite(b_scores)
+    diff = (a_scores - b_scores)[finite].abs().max().item() if finite.any() else 0.0
+    return int(same.sum()), int(tie_only.sum()), diff
+
+
+def main():
+    args = ev.parse_args()
+    device = ev.pick_device(args.device)
+    dtype = ev.pick_dtype(args.dtype, device)
+    torch.manual_seed(0)
+    out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
+    model, tok, vocab, data, sids, item_tok, cfg = ev.load_sid_model(args.model, out_dir, device, dtype)
+    seqs = data["sequences"][:args.users]
+    prompts = ev.build_prompts(tok, cfg.get("template", ev.DEFAULT_TEMPLATE), item_tok, [s[:-1] for s in seqs],
+                               cfg.get("max_history", args.max_history))
+    level_tok = [torch.tensor(t).clamp(min=0) for t in vocab["token_ids"]]
+    nxt = ev.build_trie(sids, [len(t) for t in level_tok])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    L = len(level_tok)
+    print(f"device {device}  dtype {str(dtype).replace('torch.', '')}  users {len(prompts)}  beam {args.beam}  "
+          f"levels {L}  items {len(sids)}  prompt tokens mean {np.mean([len(p) for p in prompts]):.0f}  "
+          f"batch {args.batch_size}  threads {torch.get_num_threads()}")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(f):
+        sync()
+        t = time.perf_counter()
+        r = f()
+        sync()
+        return time.perf_counter() - t, r
+
+    ev.beam_search(model, prompts[:2], level_tok, nxt, args.beam, pad)              # warm-up
+    t_ours, t_floor = math.inf, math.inf
+    for _ in range(args.repeats):
+        t, (items, scores) = timed(lambda: ev.rank_all(model, prompts, level_tok, nxt, args.beam, pad,
+                                                       args.batch_size, progress=False))
+        t_ours = min(t_ours, t)
+        t_floor = min(t_floor, timed(lambda: forward_floor(model, prompts, L, args.beam, pad, args.batch_size))[0])
+    print(f"ours (trie beam search)     {t_ours:8.2f} s   {1000 * t_ours / len(prompts):7.1f} ms/user")
+    print(f"forward floor               {t_floor:8.2f} s   {1000 * t_floor / len(prompts):7.1f} ms/user")
+    speed = "skipped"
+    if args.generate:
+        t_gen, (g_items, g_scores) = timed(lambda: hf_generate(model, prompts, item_tok, args.beam, pad,
+                                                                args.batch_size))
+        same, tie_ok, diff = agreement(items, scores, g_items, g_scores)
+        print(f"model.generate(num_beams)   {t_gen:8.2f} s   {1000 * t_gen / len(prompts):7.1f} ms/user")
+        print(f"top-{args.beam} lists identical for {same}/{len(prompts)} users, {tie_ok}/{len(prompts)} up to "
+              f"exact score ties; max |score difference| {diff:.2e}")
+        speed = f"{t_gen / t_ours:.1f}x"
+    print(f"speedup vs generate: {speed}, overhead vs forward floor: {t_ours / t_floor:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
