@@ -49,7 +49,7 @@ class Args:
     seeds: int = 3
     """seeds per variant (0, 1, ...): 03's random rows / map / shuffle, 04's and 05's order"""
     sft_steps: int = 0
-    """05 optimizer steps, the same for every variant (0: mode default, CPU 40; GPU uses --sft-epochs)"""
+    """05 optimizer steps, the same for every variant (0: mode default, CPU 30; GPU uses --sft-epochs)"""
     sft_epochs: float = 0.0
     """05 epochs over all examples instead of steps (0: mode default, GPU 3)"""
     sft_batch_size: int = 0
@@ -59,13 +59,13 @@ class Args:
     eval_every: int = 0
     """05 validation interval in steps (0: mode default, CPU 10, GPU 200)"""
     val_examples: int = 0
-    """05 validation examples (0: mode default, CPU 128, GPU all users)"""
+    """05 validation examples (0: mode default, CPU 64, GPU all users)"""
     ground_steps: int = 0
-    """04 optimizer steps for the +gti variants (0: mode default, CPU 40, GPU 2000)"""
+    """04 optimizer steps for the +gti variants (0: mode default, CPU 30, GPU 2000)"""
     ground_batch_size: int = 0
     """04 examples per step (0: mode default, CPU 16, GPU 64)"""
     eval_users: int = -1
-    """06 evaluates the first N users on test (-1: mode default, CPU 200, GPU all; 0: all)"""
+    """06 evaluates the first N users on test (-1: mode default, CPU 100, GPU all; 0: all)"""
     beam: int = 20
     """06 beam width (= list length; Recall@20 needs 20)"""
     centroid_scale: str = "plain"
@@ -80,6 +80,10 @@ class Args:
     """GPU mode: both datasets, full budgets, bf16 (05/06 pick bf16 autocast on CUDA)"""
     out_root: str = "out"
     """01/02 artifacts live in <out-root>/<dataset> (made there when missing)"""
+    encoder: str = "minilm"
+    """01's --encoder when 01 has to run (lm: d = d_model centroids; use another --out-root and --tag)"""
+    tag: str = ""
+    """suffix of the result files: results/<dataset><tag>.md"""
     work_dir: str = "runs/study"
     """where the per-run folders go (git-ignored)"""
     results_dir: str = "results"
@@ -90,8 +94,11 @@ class Args:
     """print the commands without running anything"""
 
 
-CPU = {"datasets": "ml-100k", "sft_steps": 40, "sft_epochs": 0.0, "sft_batch_size": 16, "eval_every": 10,
-       "val_examples": 128, "ground_steps": 40, "ground_batch_size": 16, "eval_users": 200, "device": "cpu"}
+# CPU budget, sized from per-step times measured on this 2-core machine (05: ~3.2 s/step of 16 examples):
+# per run ~3 min (03 15 s, 05 30 steps + 4 validations ~2 min, 06 100 users, 07 x2) -> 24 runs + 6 groundings
+# of 30 steps ~ 80-90 min for 8 variants x 3 seeds when the machine is otherwise idle.
+CPU = {"datasets": "ml-100k", "sft_steps": 30, "sft_epochs": 0.0, "sft_batch_size": 16, "eval_every": 10,
+       "val_examples": 64, "ground_steps": 30, "ground_batch_size": 16, "eval_users": 100, "device": "cpu"}
 GPU = {"datasets": "ml-100k,amazon-beauty", "sft_steps": 0, "sft_epochs": 3.0, "sft_batch_size": 64,
        "eval_every": 200, "val_examples": 0, "ground_steps": 2000, "ground_batch_size": 64, "eval_users": 0,
        "device": "cuda"}
@@ -371,12 +378,12 @@ def report(a: Args, ds, res, figs, seconds, cmd):
     ax.set(xlabel="SFT step", ylabel="validation loss", title=f"{ds}: validation loss (mean +- std over seeds)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = os.path.join(a.results_dir, f"{ds}_val_loss.png")
+    path = os.path.join(a.results_dir, f"{ds}{a.tag}_val_loss.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     figs = [path] + figs
     lines += ["", "## Figures", ""] + [f"![{os.path.basename(f)}]({os.path.basename(f)})" for f in figs]
-    md = os.path.join(a.results_dir, f"{ds}.md")
+    md = os.path.join(a.results_dir, f"{ds}{a.tag}.md")
     with open(md + ".tmp", "w") as f:
         f.write("\n".join(lines) + "\n")
     os.replace(md + ".tmp", md)
@@ -403,9 +410,9 @@ def main():
         base = os.path.join(a.out_root, ds)
         print(f"=== {ds}: variants {variants}, seeds {a.seeds}, device {a.device}")
         dev = ["--device", a.device]
-        step(a, "01_embed_items.py", ["--dataset", ds, "--out-dir", base, *(["--data-dir", a.data_dir] if
-             a.data_dir and ds != "ml-100k" else []), *dev], f"{a.work_dir}/{ds}/logs/01.log",
-             os.path.join(base, "dataset.pt"))
+        data_dir = ["--data-dir", a.data_dir] if a.data_dir and ds != "ml-100k" else []
+        step(a, "01_embed_items.py", ["--dataset", ds, "--out-dir", base, *data_dir, "--encoder", a.encoder, *dev],
+             f"{a.work_dir}/{ds}/logs/01.log", os.path.join(base, "dataset.pt"))
         step(a, "02_rqvae.py", ["--out-dir", base, *dev], f"{a.work_dir}/{ds}/logs/02.log",
              os.path.join(base, "rqvae.pt"))
         stages = {}
@@ -422,11 +429,11 @@ def main():
             have = [(v, os.path.join(a.work_dir, ds, v, "seed0", "slim", st)) for v in variants]
             have = [(v, p) for v, p in have if os.path.exists(os.path.join(p, "model.safetensors"))]
             if have:
-                save = os.path.join(a.results_dir, f"{ds}_{st}.json")
+                save = os.path.join(a.results_dir, f"{ds}{a.tag}_{st}.json")
                 step(a, "07_diagnose.py", ["--out-dir", base, "--models", ",".join(p for _, p in have),
                                            "--names", ",".join(v for v, _ in have), "--save", save],
                      f"{a.work_dir}/{ds}/logs/07_{st}_all.log")
-                figs += [os.path.join(a.results_dir, f"{ds}_{st}_{k}.png") for k in ("cosine", "spectra", "popularity")]
+                figs += [os.path.join(a.results_dir, f"{ds}{a.tag}_{st}_{k}.png") for k in ("cosine", "spectra", "popularity")]
         report(a, ds, collect(a, ds, variants), figs, time.time() - t0, cmd)
 
 
