@@ -45,6 +45,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 INITS = ("random", "mean", "centroid", "shuffled")
 
@@ -201,6 +202,8 @@ def load_codes(args: Args):
 
 def load_base(args: Args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()                    # stderr stays one line on bad input
     try:
         tok = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")

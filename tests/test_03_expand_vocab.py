@@ -1,0 +1,164 @@
+"""03_expand_vocab.py: the four initializations, row placement by token id, untied heads, bad input."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import assert_one_line_error, make_synthetic_out, run
+
+
+def load(folder):
+    m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    v = json.load(open(os.path.join(folder, "sid_vocab.json")))
+    ids = [t for lvl in v["token_ids"] for t in lvl if t >= 0]      # (level, code) order
+    return m, v, torch.tensor(ids)
+
+
+def centroids_in_order(out_dir):
+    """Used-code centroids of every level in (level, code) order, as 03 reads them."""
+    sids = np.load(os.path.join(out_dir, "sids.npy"))
+    cp = torch.load(os.path.join(out_dir, "centroids.pt"), weights_only=True)
+    per_level = [cp["centroids"][l][np.unique(sids[:, l])] for l in range(sids.shape[1])]
+    return per_level, torch.cat(per_level)
+
+
+@pytest.fixture
+def all_inits(synthetic_out, tiny_model):
+    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "all",
+        "--centroid-map", "pad", "--centroid-scale", "plain")
+    return synthetic_out, tiny_model
+
+
+def test_vocab_file_and_tokenizer_agree(all_inits):
+    out, base = all_inits
+    folder = os.path.join(out, "models", "centroid")
+    tok, v = AutoTokenizer.from_pretrained(folder), json.load(open(os.path.join(folder, "sid_vocab.json")))
+    sids = np.load(os.path.join(out, "sids.npy"))
+    assert v["num_levels"] == sids.shape[1] and v["level_names"] == ["a", "b", "c", "d"] and v["init"] == "centroid"
+    for l in range(sids.shape[1]):                       # -1 exactly for the unused codes
+        used = set(np.unique(sids[:, l]).tolist())
+        assert {k for k, t in enumerate(v["token_ids"][l]) if t >= 0} == used
+    for i in (0, 7, len(sids) - 1):
+        assert v["item_sids"][i] == "".join(f"<{'abcd'[l]}_{c}>" for l, c in enumerate(sids[i]))
+        assert tok(v["item_sids"][i], add_special_tokens=False).input_ids == v["item_token_ids"][i]
+        assert v["item_token_ids"][i] == [v["token_ids"][l][c] for l, c in enumerate(sids[i])]
+    summary = json.load(open(os.path.join(out, "03_expand_vocab.json")))
+    assert set(summary) == {"random", "mean", "centroid", "shuffled"}
+    assert summary["mean"]["num_new_tokens"] == sum(len(np.unique(sids[:, l])) for l in range(sids.shape[1]))
+
+
+def test_old_rows_untouched_and_mean_rows(all_inits):
+    out, base = all_inits
+    old = AutoModelForCausalLM.from_pretrained(base).get_input_embeddings().weight.detach()
+    m, v, ids = load(os.path.join(out, "models", "mean"))
+    w = m.get_input_embeddings().weight.detach()
+    assert torch.equal(w[:len(old)], old)                              # pretrained rows bit-identical
+    assert torch.allclose(w[ids], old.mean(0).expand(len(ids), -1), atol=1e-6)
+
+
+def test_mean_matches_transformers_mean_resizing(synthetic_out, tiny_untied_model):
+    """The GTI paper's baseline is what resize_token_embeddings(mean_resizing=True) gives (input and head)."""
+    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_untied_model, "--init", "mean")
+    m, v, ids = load(os.path.join(synthetic_out, "models", "mean"))
+    ref = AutoModelForCausalLM.from_pretrained(tiny_untied_model, dtype=torch.float32)
+    n_old = ref.get_input_embeddings().weight.shape[0]
+    torch.manual_seed(0)
+    ref.resize_token_embeddings(n_old + len(ids), mean_resizing=True)
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        ours, theirs = getattr(m, get)().weight.detach(), getattr(ref, get)().weight.detach()
+        assert torch.allclose(ours[ids], theirs[n_old:], atol=1e-3)
+
+
+def test_centroid_rows_by_token_id_and_mean_shift(all_inits):
+    """centroid (pad, plain): row of (l, k) at token_ids[l][k] = pad(c_{l,k}) - mean(pad(c)) + mean(old rows)."""
+    out, base = all_inits
+    old = AutoModelForCausalLM.from_pretrained(base).get_input_embeddings().weight.detach()
+    m, v, ids = load(os.path.join(out, "models", "centroid"))
+    w = m.get_input_embeddings().weight.detach()
+    per_level, c = centroids_in_order(out)
+    c = torch.cat([c, torch.zeros(len(c), w.shape[1] - c.shape[1])], 1)        # zero-pad 16 -> 32
+    expect = c - c.mean(0) + old.mean(0)
+    sids = np.load(os.path.join(out, "sids.npy"))
+    j = 0
+    for l in range(sids.shape[1]):                       # placement by token id, code by code
+        for k in np.unique(sids[:, l]):
+            assert torch.allclose(w[v["token_ids"][l][k]], expect[j], atol=1e-5), (l, k)
+            j += 1
+    assert torch.allclose(w[ids].mean(0), old.mean(0), atol=1e-5)               # the mean-shift property
+
+
+def test_shuffled_is_a_permutation_within_each_level(all_inits):
+    out, _ = all_inits
+    _, v, _ = load(os.path.join(out, "models", "shuffled"))
+    ws = load(os.path.join(out, "models", "shuffled"))[0].get_input_embeddings().weight.detach()
+    wc = load(os.path.join(out, "models", "centroid"))[0].get_input_embeddings().weight.detach()
+    moved = 0
+    for lvl in v["token_ids"]:
+        ids = torch.tensor([t for t in lvl if t >= 0])
+        a, b = ws[ids], wc[ids]
+        key = lambda x: x[torch.from_numpy(np.lexsort(x.T.numpy()[::-1].copy()))]
+        assert torch.equal(key(a), key(b))                                      # same multiset of rows
+        moved += int((a != b).any(1).sum())
+    assert moved > 0                                                            # and actually shuffled
+
+
+def test_random_rows_follow_old_statistics(all_inits):
+    out, base = all_inits
+    old = AutoModelForCausalLM.from_pretrained(base).get_input_embeddings().weight.detach()
+    m, _, ids = load(os.path.join(out, "models", "random"))
+    rows = m.get_input_embeddings().weight.detach()[ids]
+    assert abs(rows.std().item() - old.std(0).mean().item()) < 0.3 * old.std(0).mean().item()
+    assert len(torch.unique(rows, dim=0)) == len(ids)
+
+
+@pytest.mark.parametrize("d,how", [(16, "orthogonal"), (64, "pad")])   # d < d_model = 32, and truncation
+def test_centroid_map_keeps_geometry_and_matched_scale(tmp_path, tiny_model, d, how):
+    out = make_synthetic_out(str(tmp_path / "o"), d=d)
+    run("03_expand_vocab.py", "--out-dir", out, "--model", tiny_model, "--init", "centroid",
+        "--centroid-map", how, "--centroid-scale", "plain")
+    _, c = centroids_in_order(out)
+    m, _, ids = load(os.path.join(out, "models", "centroid"))
+    rows = m.get_input_embeddings().weight.detach()[ids]
+    ref = c[:, :32] if d >= 32 else c                     # truncation keeps the prefix; the map keeps all
+    assert torch.allclose(torch.cdist(rows, rows), torch.cdist(ref, ref), atol=1e-4)
+    run("03_expand_vocab.py", "--out-dir", out, "--model", tiny_model, "--init", "centroid",
+        "--centroid-map", how, "--centroid-scale", "matched")
+    old = AutoModelForCausalLM.from_pretrained(tiny_model).get_input_embeddings().weight.detach()
+    rows = load(os.path.join(out, "models", "centroid"))[0].get_input_embeddings().weight.detach()[ids]
+    spread = lambda x: (x - x.mean(0)).pow(2).sum(1).mean().sqrt()
+    assert torch.allclose(spread(rows), spread(old), rtol=1e-4)
+    assert torch.allclose(rows.mean(0), old.mean(0), atol=1e-5)
+
+
+def test_untied_head_gets_both_matrices(synthetic_out, tiny_untied_model):
+    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_untied_model, "--init", "centroid")
+    base = AutoModelForCausalLM.from_pretrained(tiny_untied_model)
+    m, _, ids = load(os.path.join(synthetic_out, "models", "centroid"))
+    assert not m.config.tie_word_embeddings
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        old, w = getattr(base, get)().weight.detach(), getattr(m, get)().weight.detach()
+        assert torch.equal(w[:len(old)], old)
+        assert torch.allclose(w[ids].mean(0), old.mean(0), atol=1e-5)     # each with its own statistics
+        assert len(torch.unique(w[ids], dim=0)) == len(ids)
+    e, h = m.get_input_embeddings().weight.detach(), m.get_output_embeddings().weight.detach()
+    assert not torch.allclose(e[ids], h[ids])
+
+
+def test_bad_input_one_line(tmp_path, synthetic_out, tiny_model):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = assert_one_line_error(run("03_expand_vocab.py", "--out-dir", empty, "--model", tiny_model, check=False))
+    assert "sids.npy" in err and "02_rqvae.py" in err
+    err = assert_one_line_error(run("03_expand_vocab.py", "--out-dir", synthetic_out,
+                                    "--model", tmp_path / "no_such_model", check=False))
+    assert "no_such_model" in err
+    err = assert_one_line_error(run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model,
+                                    "--init", "zeros", check=False))
+    assert "zeros" in err
+    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "mean")
+    err = assert_one_line_error(run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model",
+                                    os.path.join(synthetic_out, "models", "mean"), check=False))
+    assert "already has SID tokens" in err

@@ -1,0 +1,108 @@
+"""04_ground.py: only the new rows move (bit-identical everything else), the loss falls, the folder reloads."""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import REPO, assert_one_line_error, run
+
+
+def new_ids(folder):
+    v = json.load(open(os.path.join(folder, "sid_vocab.json")))
+    return torch.tensor([t for lvl in v["token_ids"] for t in lvl if t >= 0])
+
+
+def params(folder):
+    return dict(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).named_parameters())
+
+
+def test_masked_adamw_leaves_rows_bit_identical():
+    """The mechanism alone: row-mask hook + AdamW(weight_decay=0) + clipping never moves a masked row."""
+    spec = importlib.util.spec_from_file_location("ground", os.path.join(REPO, "04_ground.py"))
+    g = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(g)
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 8)
+    before = emb.weight.detach().clone()
+    new = torch.tensor([3, 17, 42])
+    g.mask_row_grads(emb.weight, new)
+    opt = torch.optim.AdamW([emb.weight], lr=0.1, weight_decay=0.0)
+    for _ in range(5):
+        loss = emb(torch.randint(0, 50, (4, 6))).pow(2).sum() + emb.weight.sum()   # touches every row
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([emb.weight], 0.5)
+        opt.step()
+    keep = torch.ones(50, dtype=torch.bool)
+    keep[new] = False
+    assert torch.equal(emb.weight.detach()[keep], before[keep])
+    assert not torch.equal(emb.weight.detach()[new], before[new])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_only_new_rows_move_and_folder_reloads(synthetic_out, tiny_model, tiny_untied_model, tied):
+    base = tiny_model if tied else tiny_untied_model
+    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", base, "--init", "centroid")
+    src = os.path.join(synthetic_out, "models", "centroid")
+    r = run("04_ground.py", "--out-dir", synthetic_out, "--model", src, "--steps", 4, "--batch-size", 8,
+            "--log-every", 2, "--max-eval", 8)
+    assert "pretrained rows unchanged: True" in r.stdout
+    dst = src + "+gti"
+    ids = new_ids(src)
+    p0, p1 = params(src), params(dst)
+    assert p0.keys() == p1.keys()
+    trained = {"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
+    assert trained <= p0.keys()
+    for name in p0:
+        if name in trained:
+            keep = torch.ones(len(p0[name]), dtype=torch.bool)
+            keep[ids] = False
+            assert torch.equal(p1[name][keep], p0[name][keep]), name        # every pretrained row
+            moved = (p1[name][ids] != p0[name][ids]).any(1)
+            # rows of the head (tied or not) all get softmax gradient; input-only rows move once they are seen
+            assert moved.all() if (tied or name == "lm_head.weight") else moved.any(), name
+        else:
+            assert torch.equal(p1[name], p0[name]), name                    # every other parameter
+    # the saved folder is complete: tokenizer, vocab and report, and it reloads with the trained rows
+    tok = AutoTokenizer.from_pretrained(dst)
+    v = json.load(open(os.path.join(dst, "sid_vocab.json")))
+    assert v == json.load(open(os.path.join(src, "sid_vocab.json")))
+    assert tok(v["item_sids"][0], add_special_tokens=False).input_ids == v["item_token_ids"][0]
+    rep = json.load(open(os.path.join(dst, "04_ground.json")))
+    w0, w1 = p0["model.embed_tokens.weight"][ids], p1["model.embed_tokens.weight"][ids]
+    shift = (w1 - w0).norm(dim=1).mean().item()
+    if not tied:
+        shift += (p1["lm_head.weight"][ids] - p0["lm_head.weight"][ids]).norm(dim=1).mean().item()
+    assert abs(rep["new_row_shift"] - shift) < 1e-3                        # the rows 04 trained are the saved ones
+    assert rep["pretrained_rows_unchanged"] is True
+    assert len(rep["before"]["held_out"]["acc"]) == len(rep["after"]["held_out"]["acc"]) == v["num_levels"]
+
+
+def test_grounding_loss_falls(synthetic_out, tiny_model):
+    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "random")
+    src = os.path.join(synthetic_out, "models", "random")
+    run("04_ground.py", "--out-dir", synthetic_out, "--model", src, "--steps", 30, "--batch-size", 16,
+        "--lr", 1e-2, "--log-every", 5, "--max-eval", 8, "--holdout-frac", 0.0)
+    curve = json.load(open(os.path.join(src + "+gti", "04_ground.json")))["loss_curve"]
+    assert curve[-1]["loss"] < curve[0]["loss"] - 0.3, curve
+    assert curve[-1]["t2s_acc"] > curve[0]["t2s_acc"], curve
+
+
+def test_bad_input_one_line(tmp_path, synthetic_out, tiny_model):
+    err = assert_one_line_error(run("04_ground.py", "--out-dir", synthetic_out,
+                                    "--model", tmp_path / "missing", check=False))
+    assert "missing" in err and "03_expand_vocab.py" in err
+    err = assert_one_line_error(run("04_ground.py", "--out-dir", synthetic_out, "--model", tiny_model, check=False))
+    assert "sid_vocab.json" in err
+    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "mean")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = assert_one_line_error(run("04_ground.py", "--out-dir", empty, "--model",
+                                    os.path.join(synthetic_out, "models", "mean"), check=False))
+    assert "dataset.pt" in err and "01_embed_items.py" in err
+    err = assert_one_line_error(run("04_ground.py", "--out-dir", synthetic_out, "--model",
+                                    os.path.join(synthetic_out, "models", "mean"), "--steps", 0, check=False))
+    assert "--steps" in err
