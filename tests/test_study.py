@@ -48,7 +48,10 @@ def test_report_table(tmp_path):
     res = study.collect(a, "toy", ["random", "mean"])
     study.report(a, "toy", res, [], 60.0, "python scripts/study.py --test")
     md = open(os.path.join(a.results_dir, "toy.md")).read()
-    rows = {l.split("|")[1].strip(): l for l in md.splitlines() if l.startswith("| ")}
+    rows = {}
+    for line in md.splitlines():                                        # first table: test metrics
+        if line.startswith("| "):
+            rows.setdefault(line.split("|")[1].strip(), line)
     assert "0.025 +- 0.007" in rows["random"]                           # Recall@5 over the two seeds
     assert "steps to val loss 3.100" in md                              # auto threshold: worst mean best loss
     assert "(2/2 reached)" in rows["random"] and "(1/2 reached)" in rows["mean"]
