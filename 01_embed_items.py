@@ -23,6 +23,7 @@ Datasets (--dataset):
                      --items         item,text[,category]  (items with no row get their id as text)
                    defaults: <--data-dir>/interactions.csv and <--data-dir>/items.csv.
 Users with fewer than 3 interactions cannot be split and are dropped (the count is printed).
+Same seed -> same files on CPU; on CUDA the bf16 autocast (--dtype auto) gives slightly different vectors.
 
 Reads:  the dataset files above.
 Writes: <out-dir>/item_emb.npy (float32 [N, d], L2-normalized), dataset.pt, 01_embed_items.json
@@ -411,6 +412,10 @@ def main():
     print(f"device {device}  dtype {'bfloat16 autocast' if bf16 else 'float32'}"
           f"{' (bf16 only on CUDA)' if args.dtype == 'bfloat16' and not bf16 else ''}")
 
+    if args.encoder not in ("minilm", "lm"):                                    # fail fast, before parsing data
+        die(f"unknown --encoder {args.encoder!r}; use minilm | lm")
+    if args.encoder == "lm" and not os.path.isfile(os.path.join(args.model, "config.json")):
+        die(f"{args.model}/config.json not found; run `make setup` or pass --model")
     ds = load_dataset(args)
     U, N = len(ds["user_ids"]), len(ds["item_ids"])
     num_inter = sum(len(s) for s in ds["sequences"])

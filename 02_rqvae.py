@@ -17,6 +17,8 @@ per-code centroids are the centroid paper's mu_{l,k} (Loveland et al. 2026, Algo
 Reads:  <out-dir>/item_emb.npy (from 01_embed_items.py); dataset.pt only to check the item count.
 Writes: <out-dir>/sids.npy (int64 [N, L+1]), centroids.pt, rqvae.pt, 02_rqvae.json (docs/artifacts.md).
 --codebook-size 0 (auto) = 64 codes per level for N <= 4096 items (ML-100K: 1,682), else 256 (Beauty: 12,101).
+Same seed -> identical sids.npy on CPU (--threads 1). On CUDA, index_add_ (k-means) and the backward pass
+use atomic adds, so codes can differ slightly between runs.
 
 CPU:  python 02_rqvae.py --out-dir out/ml-100k                  (1,500 steps x ~30 ms: ~50-60 s)
       python 02_rqvae.py --out-dir out/amazon-beauty            (K=256: ~60 s)
