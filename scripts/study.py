@@ -92,6 +92,8 @@ class Args:
     """keep every model folder's weights (fp32 SmolLM2 folders are ~0.5 GB each)"""
     dry_run: bool = False
     """print the commands without running anything"""
+    report_only: bool = False
+    """run nothing; aggregate whatever runs exist under --work-dir into the tables and figures"""
 
 
 # CPU budget, sized from per-step times measured on this 2-core machine (05: ~3.2 s/step of 16 examples):
@@ -192,6 +194,11 @@ def step(a: Args, script, args, log, done=None):
         tail = open(log).read().strip().splitlines()[-1:] or ["(no output)"]
         die(f"{script} failed after {dt:.0f}s ({tail[0]}); full log: {log}")
     print(f"  {dt:6.1f}s  {line}")
+    tj = os.path.join(os.path.dirname(log), "timings.json")           # seconds per step, kept across resumes
+    times = load_json(tj) or {}
+    times[os.path.basename(log)[:-4]] = round(dt, 1)
+    with open(tj, "w") as f:
+        json.dump(times, f, indent=1)
     return dt
 
 
@@ -301,7 +308,8 @@ def collect(a: Args, ds, variants):
                          "reference": next((d["reference"] for d in diag.values() if d), None),
                          "sft": load_json(os.path.join(final, "05_sft.json")),
                          "eval": load_json(os.path.join(final, "eval_test.json")),
-                         "ground": load_json(os.path.join(run, "models", VARIANTS[v]["init"] + "+gti", "04_ground.json"))})
+                         "ground": load_json(os.path.join(run, "models", VARIANTS[v]["init"] + "+gti", "04_ground.json")),
+                         "seconds": sum((load_json(os.path.join(run, "logs", "timings.json")) or {}).values())})
         out[v] = runs
     return out
 
@@ -311,23 +319,24 @@ def steps_to(curve, thr):
     return next((st for st, loss, *_ in curve if loss <= thr), None)
 
 
-def report(a: Args, ds, res, figs, seconds, cmd):
+def report(a: Args, ds, res, figs, cmd):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     variants = list(res)
     best = {v: [r["sft"]["best_val_loss"] for r in res[v] if r["sft"]] for v in variants}
     thr = a.loss_threshold or max((np.mean(b) for b in best.values() if b), default=float("nan"))
+    seconds = sum(r["seconds"] for v in variants for r in res[v])
     lines = [f"# Study: {ds}", "", f"Command: `{cmd}`  ", f"Machine: {platform.node()} {platform.machine()}, "
              f"{os.cpu_count()} CPUs, device {a.device}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-             f"wall time {seconds / 60:.1f} min  ", f"Budgets: seeds {a.seeds}, SFT "
+             f"compute {seconds / 60:.1f} min (sum of the runs' step times, 01/02 excluded)  ", f"Budgets: seeds {a.seeds}, SFT "
              + (f"{a.sft_epochs} epochs" if a.sft_epochs else f"{a.sft_steps} steps") + f" x batch {a.sft_batch_size}"
              f" (val every {a.eval_every}, {a.val_examples or 'all'} val examples), grounding {a.ground_steps} steps"
              f" x batch {a.ground_batch_size}, test users {a.eval_users or 'all'}, beam {a.beam}", ""]
     # --- recommendation
     lines += ["## Test metrics (mean +- std over seeds)", "",
               "| variant | " + " | ".join(n for _, n in METRICS) + " | cold R@10 (n) | best val loss | step of best"
-              f" | steps to val loss {thr:.3f} |", "|---" * (len(METRICS) + 5) + "|"]
+              f" | steps to val loss {thr:.3f} | s/run |", "|---" * (len(METRICS) + 6) + "|"]
     pop = None
     for v in variants:
         ev = [r["eval"] for r in res[v] if r["eval"]]
@@ -337,13 +346,14 @@ def report(a: Args, ds, res, figs, seconds, cmd):
         lines.append(f"| {v} | " + " | ".join(ms([e["model"].get(k) for e in ev]) for k, _ in METRICS)
                      + f" | {ms([e['cold_model'].get('recall@10') for e in ev])} ({ev[0]['cold_users'] if ev else '-'})"
                      + f" | {ms(best[v])} | {ms([s['best_step'] for s in sft], '{:.0f}')}"
-                     + f" | {ms(reach, '{:.0f}')} ({sum(x is not None for x in reach)}/{len(sft)} reached) |")
+                     + f" | {ms(reach, '{:.0f}')} ({sum(x is not None for x in reach)}/{len(sft)} reached)"
+                     + f" | {ms([r['seconds'] for r in res[v] if r['seconds']], '{:.0f}')} |")
     if pop:
         lines.append("| most popular | " + " | ".join(f"{pop['most_popular'].get(k, float('nan')):.3f}" for k, _ in METRICS)
-                     + f" | {pop['cold_most_popular'].get('recall@10', float('nan')):.3f} | | | |")
+                     + f" | {pop['cold_most_popular'].get('recall@10', float('nan')):.3f} | | | | |")
     if ds == "amazon-beauty":
         lines.append("| TIGER (published) | " + " | ".join(f"{TIGER_BEAUTY[k]:.4f}" if k in TIGER_BEAUTY else "-"
-                                                             for k, _ in METRICS) + " | | | | |")
+                                                             for k, _ in METRICS) + " | | | | | |")
     # --- geometry
     ref = next((r["reference"] for v in variants for r in res[v] if r["reference"]), None)
     lines += ["", "## Geometry of the SID rows (all levels; mean +- std over seeds)", "",
@@ -394,6 +404,21 @@ def report(a: Args, ds, res, figs, seconds, cmd):
 # ---------------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------------
+def run_all(a: Args, ds, base, variants):
+    """01 and 02 once per dataset (skipped when their files exist), then every variant x seed."""
+    t0, dev = time.time(), ["--device", a.device]
+    data_dir = ["--data-dir", a.data_dir] if a.data_dir and ds != "ml-100k" else []
+    step(a, "01_embed_items.py", ["--dataset", ds, "--out-dir", base, *data_dir, "--encoder", a.encoder, *dev],
+         f"{a.work_dir}/{ds}/logs/01.log", os.path.join(base, "dataset.pt"))
+    step(a, "02_rqvae.py", ["--out-dir", base, *dev], f"{a.work_dir}/{ds}/logs/02.log", os.path.join(base, "rqvae.pt"))
+    for seed in range(a.seeds):                                        # seed-major: seed 0 of all variants first
+        for v in variants:
+            t = time.time()
+            print(f"--- {ds} {v} seed {seed}")
+            run_one(a, ds, base, v, seed)
+            print(f"    {v} seed {seed}: {time.time() - t:.0f}s (study so far {(time.time() - t0) / 60:.1f} min)")
+
+
 def main():
     a = parse_args()
     os.chdir(REPO)
@@ -409,23 +434,12 @@ def main():
         t0 = time.time()
         base = os.path.join(a.out_root, ds)
         print(f"=== {ds}: variants {variants}, seeds {a.seeds}, device {a.device}")
-        dev = ["--device", a.device]
-        data_dir = ["--data-dir", a.data_dir] if a.data_dir and ds != "ml-100k" else []
-        step(a, "01_embed_items.py", ["--dataset", ds, "--out-dir", base, *data_dir, "--encoder", a.encoder, *dev],
-             f"{a.work_dir}/{ds}/logs/01.log", os.path.join(base, "dataset.pt"))
-        step(a, "02_rqvae.py", ["--out-dir", base, *dev], f"{a.work_dir}/{ds}/logs/02.log",
-             os.path.join(base, "rqvae.pt"))
-        stages = {}
-        for seed in range(a.seeds):
-            for v in variants:
-                t = time.time()
-                print(f"--- {ds} {v} seed {seed}")
-                stages[v, seed] = run_one(a, ds, base, v, seed)
-                print(f"    {v} seed {seed}: {time.time() - t:.0f}s (study so far {(time.time() - t0) / 60:.1f} min)")
+        if not a.report_only:
+            run_all(a, ds, base, variants)
         if a.dry_run:
             continue
         figs = []
-        for st in STAGES:                                              # side by side, seed 0
+        for st in STAGES:                                              # side by side: seed 0 of every variant
             have = [(v, os.path.join(a.work_dir, ds, v, "seed0", "slim", st)) for v in variants]
             have = [(v, p) for v, p in have if os.path.exists(os.path.join(p, "model.safetensors"))]
             if have:
@@ -433,8 +447,8 @@ def main():
                 step(a, "07_diagnose.py", ["--out-dir", base, "--models", ",".join(p for _, p in have),
                                            "--names", ",".join(v for v, _ in have), "--save", save],
                      f"{a.work_dir}/{ds}/logs/07_{st}_all.log")
-                figs += [os.path.join(a.results_dir, f"{ds}{a.tag}_{st}_{k}.png") for k in ("cosine", "spectra", "popularity")]
-        report(a, ds, collect(a, ds, variants), figs, time.time() - t0, cmd)
+                figs += [f"{os.path.splitext(save)[0]}_{k}.png" for k in ("cosine", "spectra", "popularity")]
+        report(a, ds, collect(a, ds, variants), figs, cmd)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def test_report_table(tmp_path):
         fake_run(a.work_dir, "random", s, b_r, 0.02 + 0.01 * s)
         fake_run(a.work_dir, "mean", s, b_m, 0.01)
     res = study.collect(a, "toy", ["random", "mean"])
-    study.report(a, "toy", res, [], 60.0, "python scripts/study.py --test")
+    study.report(a, "toy", res, [], "python scripts/study.py --test")
     md = open(os.path.join(a.results_dir, "toy.md")).read()
     rows = {}
     for line in md.splitlines():                                        # first table: test metrics
