@@ -388,22 +388,28 @@ def figures(stem: str, results: dict, raw: dict, names: list, heatmap_max: int):
     paths["spectra"] = _save(fig, f"{stem}_spectra.png")
     nc = min(4, len(models))
     nr = (len(models) + nc - 1) // nc
-    fig, axes = plt.subplots(nr, nc, figsize=(3.2 * nc, 3.2 * nr), squeeze=False)
-    for ax, m in zip(axes.flat, models):                               # cosine heatmaps grid
-        lev = raw[m]["level"]
+    fig, axes = plt.subplots(2 * nr, nc, figsize=(3.2 * nc, 6.4 * nr), squeeze=False)
+    for i, m in enumerate(models):                                     # cosine heatmaps: raw, then centered
+        lev, X = raw[m]["level"], raw[m]["X"]
         idx = np.arange(len(lev))
         if len(idx) > heatmap_max:                                     # even subsample, keeps level order
             idx = np.round(np.linspace(0, len(lev) - 1, heatmap_max)).astype(int)
-        ax.imshow(cosine_matrix(raw[m]["X"][idx]), vmin=-1, vmax=1, cmap="RdBu_r", interpolation="nearest")
-        for b in np.flatnonzero(np.diff(lev[idx])) + 0.5:
-            ax.axhline(b, color="k", lw=0.4)
-            ax.axvline(b, color="k", lw=0.4)
-        ax.set_title(f"{m}\nmean cos {results[m]['levels']['all']['mean_cos']:.2f}", fontsize=8)
-        ax.set_xticks([])
-        ax.set_yticks([])
-    for ax in list(axes.flat)[len(models):]:
-        ax.axis("off")
-    fig.suptitle(f"cosine of SID rows ordered by (level, code): levels {''.join(names)}", fontsize=9)
+        Xc = X - np.stack([X[lev == l].mean(0) for l in np.unique(lev)])[np.searchsorted(np.unique(lev), lev)]
+        for row, (Y, what) in enumerate([(X, "raw"), (Xc, "centered per level")]):
+            ax = axes[row * nr + i // nc, i % nc]
+            C = cosine_matrix(Y[idx])
+            ax.imshow(C, vmin=-1, vmax=1, cmap="RdBu_r", interpolation="nearest")
+            for b in np.flatnonzero(np.diff(lev[idx])) + 0.5:
+                ax.axhline(b, color="k", lw=0.4)
+                ax.axvline(b, color="k", lw=0.4)
+            ax.set_title(f"{m} ({what})\nmean off-diag cos {C[~np.eye(len(C), dtype=bool)].mean():.2f}", fontsize=8)
+            ax.set_xticks([])
+            ax.set_yticks([])
+    for i in range(len(models), nr * nc):
+        axes[i // nc, i % nc].axis("off")
+        axes[nr + i // nc, i % nc].axis("off")
+    fig.suptitle(f"cosine of SID rows ordered by (level, code), levels {''.join(names)}\n"
+                 "top: raw rows; bottom: rows minus their level's mean", fontsize=9)
     paths["cosine"] = _save(fig, f"{stem}_cosine.png")
     fig, axes = plt.subplots(nr, nc, figsize=(3.2 * nc, 3 * nr), squeeze=False)
     for ax, m in zip(axes.flat, models):                               # popularity scatter
