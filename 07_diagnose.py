@@ -70,7 +70,7 @@ class Args:
     figures: bool = True
     """write the PNG figures"""
     device: str = "cpu"
-    """auto | cpu | cuda | mps (the math is small; cpu is the default)"""
+    """auto | cpu | cuda | mps for the nearest-neighbour search of the purity (the rest is small numpy math)"""
     seed: int = 0
     """seeds the random-row purity reference and the probe folds"""
 
@@ -232,14 +232,15 @@ def ridge_probe_r2(X: np.ndarray, y: np.ndarray, folds: int = 5, seed: int = 0,
     return float(1 - ((y - pred) ** 2).sum() / ((y - y.mean()) ** 2).sum())
 
 
-def knn_purity(V: np.ndarray, labels: np.ndarray, k: int = 10, chunk: int = 2048) -> float:
+def knn_purity(V: np.ndarray, labels: np.ndarray, k: int = 10, chunk: int = 2048, device="cpu") -> float:
     """Mean over items of the share of their k nearest other items (cosine) that carry the same label."""
-    Vn = torch.from_numpy(V / np.maximum(np.linalg.norm(V, axis=1, keepdims=True), 1e-12)).float()
-    lab = torch.from_numpy(labels)
+    Vn = torch.from_numpy(V / np.maximum(np.linalg.norm(V, axis=1, keepdims=True), 1e-12)).float().to(device)
+    lab = torch.from_numpy(labels).to(device)
     hits = []
     for s in range(0, len(Vn), chunk):
         S = Vn[s:s + chunk] @ Vn.T                                      # (chunk, N)
-        S[torch.arange(len(S)), torch.arange(s, s + len(S))] = -float("inf")  # not its own neighbour
+        r = torch.arange(len(S), device=S.device)
+        S[r, r + s] = -float("inf")                                     # not its own neighbour
         nn = S.topk(k, dim=1).indices                                   # (chunk, k)
         hits.append((lab[nn] == lab[s:s + chunk, None]).float().mean(1))
     return float(torch.cat(hits).mean())
@@ -364,7 +365,7 @@ def diagnose(E, tok, item_tok, vocab, data, a: Args):
     allb["cos_within_level"], allb["cos_across_level"] = pair_means(cosine_matrix(X), lev)
     per_level["all"] = allb
     V = E[item_tok].mean(1)                                            # item = mean of its SID rows (N, d)
-    res = {"levels": per_level, "purity": knn_purity(V, data["category"], a.k), **vocab, "d_model": int(E.shape[1])}
+    res = {"levels": per_level, "purity": knn_purity(V, data["category"], a.k, device=data["device"]), **vocab, "d_model": int(E.shape[1])}
     res["spread_ratio_vocab_over_sid"] = res["vocab_spread"] / max(allb["spread"], 1e-12)
     return res, {"s": s, "proj": proj, "freq": f, "level": lev, "X": X}
 
@@ -488,8 +489,9 @@ def main():
     g = np.random.default_rng(a.seed)
     rand_rows = g.standard_normal(loaded[0][4].shape)                  # one Gaussian row per SID token
     chance = np.bincount(cat)[cat]
-    reference = {"k": a.k, "purity_item_emb": knn_purity(item_emb, cat, a.k),
-                 "purity_random_sid_rows": knn_purity(rand_rows[loaded[0][3]].mean(1), cat, a.k),
+    dev = data["device"] = pick_device(a.device)
+    reference = {"k": a.k, "purity_item_emb": knn_purity(item_emb, cat, a.k, device=dev),
+                 "purity_random_sid_rows": knn_purity(rand_rows[loaded[0][3]].mean(1), cat, a.k, device=dev),
                  "purity_chance": float(((chance - 1) / (len(cat) - 1)).mean())}
     print(f"purity@{a.k}: item_emb {reference['purity_item_emb']:.3f}  random SID rows "
           f"{reference['purity_random_sid_rows']:.3f}  chance {reference['purity_chance']:.3f}")
