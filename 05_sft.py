@@ -17,7 +17,8 @@ positions (`logits_to_keep`): the 49k-wide head would otherwise dominate the ste
 Multi-process: `torchrun --nproc_per_node=N 05_sft.py ...` (DistributedDataParallel; NCCL on CUDA, gloo on
 CPU; rank 0 logs and saves). --batch-size is the global micro-batch, split over the processes, so the
 examples and the loss trajectory match a single-process run. The example order is a pure function of
-(seed, step), so `--resume` continues a killed run from its last checkpoint with the same numbers.
+(seed, step), so `--resume` continues a killed run from its last checkpoint with the same numbers (on CPU;
+on CUDA, bf16 autocast and non-deterministic cuBLAS/SDPA kernels make runs differ slightly).
 
 Reads:  --model (a 03/04 folder: HF model + tokenizer + sid_vocab.json), <out-dir>/dataset.pt, sids.npy
         (default --out-dir: the folder two levels above --model).

@@ -120,3 +120,12 @@ def test_eval_end_to_end_and_bad_input(sid_setup, tmp_path):
     other = make_synthetic_out(str(tmp_path / "other"), seed=1)
     err = assert_one_line_error(run("06_eval.py", "--model", model_dir, "--out-dir", other, check=False))
     assert "03_expand_vocab.py" in err
+
+
+def test_bench_agrees_with_generate(sid_setup):
+    """bench/beam_search.py runs, and model.generate(num_beams) returns the same ranked lists (up to ties)."""
+    out, _, model_dir = sid_setup
+    r = run("bench/beam_search.py", "--model", model_dir, "--users", "4", "--beam", "5", "--batch-size", "2",
+            "--repeats", "1")
+    assert "4/4 up to exact score ties" in r.stdout, r.stdout
+    assert r.stdout.strip().splitlines()[-1].startswith("speedup vs generate: ")
