@@ -90,6 +90,8 @@ class Args:
     """where the markdown tables and figures go"""
     keep_models: bool = False
     """keep every model folder's weights (fp32 SmolLM2 folders are ~0.5 GB each)"""
+    until: str = "eval"
+    """last stage of each run: init (03 + 07 only: geometry at init, seconds) | ground | sft | eval"""
     dry_run: bool = False
     """print the commands without running anything"""
     report_only: bool = False
@@ -178,7 +180,7 @@ def step(a: Args, script, args, log, done=None):
     args = [str(x) for x in args]
     check_flags(script, args)
     line = f"python {script} {' '.join(args)}"
-    if done and os.path.exists(done):
+    if done is True or (isinstance(done, str) and os.path.exists(done)):
         print(f"  skip (done)  {line}")
         return 0.0
     if a.dry_run:
@@ -243,36 +245,57 @@ def run_one(a: Args, ds, base, variant, seed):
     link_base(base, run)
     logs, dev = os.path.join(run, "logs"), ["--device", a.device]
     expand = [x.format(centroid_scale=a.centroid_scale) for x in v.get("expand", [])]
+    if a.until not in ("init", "ground", "sft", "eval"):
+        die(f"unknown --until {a.until!r}; use init|ground|sft|eval")
     if a.centroid_map and v["init"] in ("centroid", "shuffled"):
         expand += ["--centroid-map", a.centroid_map]
     m = os.path.join(run, "models", v["init"])
     stages = {"init": m}
     final = os.path.join(run, "models", v["init"] + ("+gti" if v.get("ground") else "") + "+sft")
     done_all = os.path.join(final, "eval_test.json")
+    marker = {"init": os.path.join(run, "diag_init.json"), "ground": os.path.join(run, "diag_ground.json"),
+              "sft": os.path.join(run, "diag_sft.json"), "eval": done_all}[a.until]
+    if a.until == "ground" and not v.get("ground"):
+        marker = os.path.join(run, "diag_init.json")
+    if os.path.exists(marker):                                         # finished up to --until before
+        print(f"  skip (done)  {variant} seed {seed} up to {a.until}")
+        return finish(a, run, seed, stages)
+    # a step is done when its weights exist (a run dropped after an earlier --until is rebuilt, same seed)
+    weights = lambda f: os.path.isdir(f) and any(x.endswith(".safetensors") for x in os.listdir(f))
     step(a, "03_expand_vocab.py", ["--out-dir", run, "--model", BACKBONE, "--init", v["init"], *expand,
-                                   "--seed", seed, *dev], f"{logs}/03.log", os.path.join(m, "sid_vocab.json"))
+                                   "--seed", seed, *dev], f"{logs}/03.log", weights(m))
     diag = lambda model, stage: step(a, "07_diagnose.py", ["--out-dir", run, "--models", model, "--names", variant,
                                                            "--save", os.path.join(run, f"diag_{stage}.json"),
                                                            "--no-figures"], f"{logs}/07_{stage}.log",
                                      os.path.join(run, f"diag_{stage}.json"))
     diag(m, "init")
+    if a.until == "init":
+        return finish(a, run, seed, stages)
     if v.get("ground"):
         g = m + "+gti"
         step(a, "04_ground.py", ["--out-dir", run, "--model", m, "--save", g, "--steps", a.ground_steps,
                                  "--batch-size", a.ground_batch_size, "--seed", seed, *dev],
-             f"{logs}/04.log", os.path.join(g, "04_ground.json"))
+             f"{logs}/04.log", weights(g) and os.path.exists(os.path.join(g, "04_ground.json")))
         diag(g, "ground")
         m = stages["ground"] = g
+    if a.until == "ground":
+        return finish(a, run, seed, stages)
     budget = ["--epochs", a.sft_epochs] if a.sft_epochs else ["--steps", a.sft_steps]
     step(a, "05_sft.py", ["--model", m, "--save", final, "--out-dir", run, *budget, "--batch-size", a.sft_batch_size,
                           "--eval-every", a.eval_every, "--val-examples", a.val_examples,
                           *(["--lr", a.sft_lr] if a.sft_lr else []), *v.get("sft", []), "--seed", seed, *dev],
-         f"{logs}/05.log", os.path.join(final, "05_sft.json"))
+         f"{logs}/05.log", weights(final) and os.path.exists(os.path.join(final, "05_sft.json")))
     stages["sft"] = final
     diag(final, "sft")
-    step(a, "06_eval.py", ["--model", final, "--out-dir", run, "--split", "test", "--beam", a.beam,
-                           "--users", a.eval_users, "--seed", seed, *dev], f"{logs}/06.log", done_all)
-    if seed == 0 and not a.dry_run:                                    # slim rows for the side-by-side figures
+    if a.until == "eval":
+        step(a, "06_eval.py", ["--model", final, "--out-dir", run, "--split", "test", "--beam", a.beam,
+                               "--users", a.eval_users, "--seed", seed, *dev], f"{logs}/06.log", done_all)
+    return finish(a, run, seed, stages)
+
+
+def finish(a: Args, run, seed, stages):
+    """Keep seed 0's embedding rows (slim) for the side-by-side figures, then drop the weights."""
+    if seed == 0 and not a.dry_run:
         for st, path in stages.items():
             slim_copy(path, os.path.join(run, "slim", st))
     if not a.keep_models and not a.dry_run:
