@@ -23,7 +23,7 @@ Reads:  <out-dir>/sids.npy, <out-dir>/centroids.pt (02), the base model (--model
 Writes: <out-dir>/models/<init>/ (model + tokenizer via save_pretrained, plus sid_vocab.json),
         <out-dir>/03_expand_vocab.json (per init: num_new_tokens, norms of new vs old rows, seconds)
 
-CPU:  python 03_expand_vocab.py                         (all four inits, ~30 s for SmolLM2-135M)
+CPU:  python 03_expand_vocab.py                         (all four inits, ~40 s for SmolLM2-135M, 2 GB on disk)
 GPU:  same command (nothing here needs a GPU); any HF causal LM: --model Qwen/Qwen3-0.6B
 Good run prints the number of new tokens per level and, per init, the mean norm of new vs old rows, e.g.
   init=centroid  new rows |e| 3.3 (old 3.2)  -> out/ml-100k/models/centroid
