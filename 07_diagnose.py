@@ -200,35 +200,35 @@ def rsa(A: np.ndarray, B: np.ndarray, groups=None):
     return spearman(cosine_matrix(center(A))[iu], cosine_matrix(center(B))[iu])
 
 
-def ridge_probe_r2(X: np.ndarray, y: np.ndarray, folds: int = 5, seed: int = 0,
-                   lambdas=(1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3)):
-    """Out-of-fold R^2 = 1 - SS_res / SS_tot of a linear ridge probe y ~ X w + b, k-fold.
+def ridge_predict(Xtr, ytr, Xte, lambdas):
+    """Ridge y ~ X w + b fitted on (Xtr, ytr), predictions on Xte for every lambda: (len(lambdas), n_te).
 
-    Inside each training fold the features are centered and scaled to unit mean variance, and lambda (times
-    n_train) is picked by the closed-form leave-one-out error of kernel ridge: with K = X X^T = U diag(e) U^T,
-    H = U diag(e / (e + lam)) U^T, LOO residual_i = (y_i - (H y)_i) / (1 - H_ii). None when n < 2 * folds."""
+    Features are centered and scaled to unit mean variance on the training rows; dual (kernel) form, because
+    SID rows have d > n: K = X X^T = U diag(e) U^T, alpha = U diag(1 / (e + lam n)) U^T y, w = X^T alpha."""
+    mu, ym = Xtr.mean(0), ytr.mean()
+    sc = np.sqrt(((Xtr - mu) ** 2).sum(1).mean() / Xtr.shape[1]) + 1e-12
+    A, B = (Xtr - mu) / sc, (Xte - mu) / sc
+    e, U = np.linalg.eigh(A @ A.T)                                      # (n_tr,), (n_tr, n_tr)
+    Uy, KteU = U.T @ (ytr - ym), (B @ A.T) @ U                          # (n_tr,), (n_te, n_tr)
+    return np.stack([KteU @ (Uy / (np.clip(e, 0, None) + lam * len(ytr))) + ym for lam in lambdas])
+
+
+def ridge_probe_r2(X: np.ndarray, y: np.ndarray, folds: int = 5, seed: int = 0,
+                   lambdas=(1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3, 1e4)):
+    """Out-of-fold R^2 = 1 - SS_res / SS_tot of a linear ridge probe, k-fold; lambda (times n_train) is chosen
+    by an inner k-fold on each training part only. None when n < 2 * folds or y is constant."""
     n = len(y)
     if n < 2 * folds or np.ptp(y) == 0:
         return None
     perm = np.random.default_rng(seed).permutation(n)
     pred = np.empty(n)
     for f in range(folds):
-        te = perm[f::folds]
-        tr = np.setdiff1d(perm, te)
-        mu, ym = X[tr].mean(0), y[tr].mean()
-        sc = np.sqrt(((X[tr] - mu) ** 2).sum(1).mean() / X.shape[1]) + 1e-12
-        Xtr, Xte, ytr = (X[tr] - mu) / sc, (X[te] - mu) / sc, y[tr] - ym
-        e, U = np.linalg.eigh(Xtr @ Xtr.T)                              # K = U diag(e) U^T  (n_tr, n_tr)
-        e = np.clip(e, 0, None)
-        Uy = U.T @ ytr
-        best = None
-        for lam in lambdas:
-            g = e / (e + lam * len(tr))                                 # shrinkage per eigendirection
-            r = (ytr - U @ (g * Uy)) / (1 - (U ** 2) @ g)               # LOO residuals
-            if best is None or (r ** 2).mean() < best[0]:
-                best = ((r ** 2).mean(), lam)
-        alpha = U @ (Uy / (e + best[1] * len(tr)))                      # dual weights (K + lam I)^-1 y
-        pred[te] = Xte @ (Xtr.T @ alpha) + ym                           # w = X^T alpha
+        te, tr = perm[f::folds], np.concatenate([perm[g::folds] for g in range(folds) if g != f])
+        err = np.zeros(len(lambdas))
+        for g in range(folds):                                          # inner CV on the training part
+            ite, itr = tr[g::folds], np.concatenate([tr[h::folds] for h in range(folds) if h != g])
+            err += ((ridge_predict(X[itr], y[itr], X[ite], lambdas) - y[ite]) ** 2).sum(1)
+        pred[te] = ridge_predict(X[tr], y[tr], X[te], [lambdas[int(err.argmin())]])[0]
     return float(1 - ((y - pred) ** 2).sum() / ((y - y.mean()) ** 2).sum())
 
 
