@@ -393,10 +393,13 @@ def report(a: Args, ds, res, figs, cmd):
         lines += ["", f"Purity@{ref['k']} references: raw item embeddings {ref['purity_item_emb']:.3f}, random Gaussian "
                   f"SID rows {ref['purity_random_sid_rows']:.3f} (what the SID assignment alone gives), chance "
                   f"{ref['purity_chance']:.3f}."]
-    gr = [(v, r["ground"]) for v in variants for r in res[v] if r["ground"]]
-    if gr:
-        lines += ["", "Grounding (04_ground.json, per run): " + "; ".join(
-            f"{v}: {json.dumps({k: g[k] for k in g if 'acc' in k and not isinstance(g[k], list)})}" for v, g in gr[:4])]
+    for v in variants:                                                 # 04's held-out text -> SID accuracy
+        g = [r["ground"] for r in res[v] if r["ground"]]
+        if g:
+            lines += ["", f"Grounding {v}: held-out text->SID next-token accuracy (mean over levels) "
+                      f"{ms([x.get('held_out_acc_before') for x in g])} -> {ms([x.get('held_out_acc_after') for x in g])}, "
+                      f"within the level's tokens {ms([x.get('held_out_acc_in_level_before') for x in g])} -> "
+                      f"{ms([x.get('held_out_acc_in_level_after') for x in g])}."]
     # --- validation-loss curves
     fig, ax = plt.subplots(figsize=(6, 4))
     for v in variants:
