@@ -13,7 +13,8 @@ With AdamW, weight_decay = 0 and exactly-zero gradients, the moments of a masked
 is 0, so every pretrained row (and every other parameter) stays bit-identical; the script checks this.
 Where the output head is untied, the same rows of the head are trained under the same mask.
 Held-out grounding quality: text -> SID next-token accuracy per level on items never used for training
-(teacher forcing; `acc` = argmax over the whole vocabulary, `acc_in_level` = argmax among that level's tokens).
+(teacher forcing; `acc` = argmax over the whole vocabulary, `acc_in_level` = argmax among that level's tokens;
+ties count as 1/#tied, since mean init ties every new row).
 
 Reads:  <model> (03's folder, default <out-dir>/models/centroid, with sid_vocab.json), <out-dir>/dataset.pt
 Writes: <save> (default <model>+gti): model + tokenizer (save_pretrained), sid_vocab.json (copied),
@@ -198,6 +199,13 @@ def collate(batch, pad_id):
     return x, attn, labels, kind
 
 
+def tie_hits(scores, target):
+    """Expected hits of argmax under random tie-breaking: (B, K) scores, (B,) target index -> (B,).
+    Mean init gives every new row the same logit; a plain argmax would then 'predict' the lowest id."""
+    best = scores == scores.max(-1, keepdim=True).values                 # (B, K)
+    return best.gather(1, target[:, None]).squeeze(1).float() / best.sum(-1)
+
+
 @torch.no_grad()
 def grounding_accuracy(model, pairs, level_ids, pad_id, device, ctx, bs=32):
     """Text -> SID next-token accuracy per level (teacher forcing): argmax over the whole vocabulary
@@ -210,9 +218,9 @@ def grounding_accuracy(model, pairs, level_ids, pad_id, device, ctx, bs=32):
         with ctx:
             logits, y, _ = target_logits(model, x.to(device), attn.to(device), labels.to(device))
         logits, y = logits.view(-1, L, logits.shape[-1]).cpu(), y.view(-1, L).cpu()   # (B, L, V), (B, L)
-        hit += (logits.argmax(-1) == y).float().sum(0)
         for l, ids in enumerate(level_ids):
-            hit_lvl[l] += (ids[logits[:, l, ids].argmax(-1)] == y[:, l]).float().sum()
+            hit[l] += tie_hits(logits[:, l], y[:, l]).sum()
+            hit_lvl[l] += tie_hits(logits[:, l, ids], (ids[None, :] == y[:, l, None]).long().argmax(1)).sum()
         n += len(y)
     model.train()
     return {"items": n, "acc": [round(float(v) / max(n, 1), 4) for v in hit],

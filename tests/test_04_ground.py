@@ -42,6 +42,15 @@ def test_masked_adamw_leaves_rows_bit_identical():
     assert not torch.equal(emb.weight.detach()[new], before[new])
 
 
+def test_tied_scores_count_as_chance():
+    """Mean init ties every new row: accuracy must be 1/#tied, not whatever argmax's tie-break picks."""
+    spec = importlib.util.spec_from_file_location("ground", os.path.join(REPO, "04_ground.py"))
+    g = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(g)
+    s = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 2.0, 1.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
+    assert g.tie_hits(s, torch.tensor([0, 1, 1])).tolist() == [0.25, 0.5, 0.0]
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_only_new_rows_move_and_folder_reloads(synthetic_out, tiny_model, tiny_untied_model, tied):
     base = tiny_model if tied else tiny_untied_model
