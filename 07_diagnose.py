@@ -12,7 +12,8 @@ each model folder, per level and for all levels together:
   popularity   freq(token) = training interactions of the items carrying it; |Spearman(freq, projection on PC1)|
                and a 5-fold ridge probe R^2 for log(1 + freq) (lambda chosen by leave-one-out inside each fold).
   purity       item vector = mean of its SID rows; share of its 10 nearest items (cosine) with its category,
-               against the same on item_emb.npy, on random Gaussian SID rows, and chance.
+               against the same on item_emb.npy, on random Gaussian SID rows, and chance (null when the rows
+               are collapsed: every neighbour is then a tie).
 
 Reads  <out-dir>/dataset.pt, item_emb.npy, sids.npy, centroids.pt, rqvae.pt (steps 01-02), and model folders
        (default: every <out-dir>/models/* holding sid_vocab.json, from steps 03-05).
@@ -365,7 +366,8 @@ def diagnose(E, tok, item_tok, vocab, data, a: Args):
     allb["cos_within_level"], allb["cos_across_level"] = pair_means(cosine_matrix(X), lev)
     per_level["all"] = allb
     V = E[item_tok].mean(1)                                            # item = mean of its SID rows (N, d)
-    res = {"levels": per_level, "purity": knn_purity(V, data["category"], a.k, device=data["device"]), **vocab, "d_model": int(E.shape[1])}
+    purity = None if allb["collapsed"] else knn_purity(V, data["category"], a.k, device=data["device"])  # no ties
+    res = {"levels": per_level, "purity": purity, **vocab, "d_model": int(E.shape[1])}
     res["spread_ratio_vocab_over_sid"] = res["vocab_spread"] / max(allb["spread"], 1e-12)
     return res, {"s": s, "proj": proj, "freq": f, "level": lev, "X": X}
 
@@ -504,7 +506,7 @@ def main():
         f3 = lambda v: "  n/a" if v is None else f"{v:5.2f}"
         print(f"{name:<22} erank {al['effective_rank']:6.1f}  top1 {al['top1_var_share']:.2f}  "
               f"mean_cos {f3(al['mean_cos'])}  rsa_cent {f3(al['rsa_centroids'])}  rsa_book {f3(al['rsa_codebook'])}  "
-              f"pop|rho| {f3(al['pop_spearman_abs'])}  probe_r2 {f3(al['pop_probe_r2'])}  purity {res['purity']:.3f}")
+              f"pop|rho| {f3(al['pop_spearman_abs'])}  probe_r2 {f3(al['pop_probe_r2'])}  purity {f3(res['purity'])}")
 
     save = a.save or os.path.join(out, "diagnostics.json")
     os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)

@@ -151,8 +151,10 @@ def test_diagnose_runs_and_writes_json_and_pngs(diag_setup):
     ref = d["reference"]
     assert all(0 <= ref[k] <= 1 for k in ("purity_chance", "purity_item_emb", "purity_random_sid_rows"))
     assert ref["purity_random_sid_rows"] > ref["purity_chance"] + 0.1    # category = level-0 code here
-    for m in d["models"].values():
+    assert d["models"]["mean"]["purity"] is None                         # collapsed: neighbours are all ties
+    for m in (d["models"]["random"], d["models"]["centroid"]):
         assert 0 <= m["purity"] <= 1
+    for m in d["models"].values():
         al = m["levels"]["all"]
         assert al["n"] == sum(m["levels"][x]["n"] for x in "abcd")
 
