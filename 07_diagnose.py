@@ -368,7 +368,7 @@ def diagnose(E, tok, item_tok, vocab, data, a: Args):
     V = E[item_tok].mean(1)                                            # item = mean of its SID rows (N, d)
     purity = None if allb["collapsed"] else knn_purity(V, data["category"], a.k, device=data["device"])  # no ties
     res = {"levels": per_level, "purity": purity, **vocab, "d_model": int(E.shape[1])}
-    res["spread_ratio_vocab_over_sid"] = res["vocab_spread"] / max(allb["spread"], 1e-12)
+    res["spread_ratio_vocab_over_sid"] = None if allb["collapsed"] else res["vocab_spread"] / allb["spread"]
     return res, {"s": s, "proj": proj, "freq": f, "level": lev, "X": X}
 
 

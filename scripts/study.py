@@ -120,7 +120,7 @@ VARIANTS = {
 }
 STAGES = ("init", "ground", "sft")
 GEOMETRY = [("effective_rank", "erank"), ("top1_var_share", "top1"), ("mean_cos", "mean cos"),
-            ("rsa_centroids", "RSA cent"), ("rsa_codebook", "RSA book"), ("pop_spearman_abs", "pop |rho|"),
+            ("rsa_centroids", "RSA cent"), ("rsa_codebook", "RSA book"), ("pop_spearman_abs", "pop rho (abs)"),
             ("pop_probe_r2", "pop R2")]
 METRICS = [("recall@5", "R@5"), ("recall@10", "R@10"), ("recall@20", "R@20"), ("ndcg@10", "N@10")]
 # TIGER (Rajput et al., NeurIPS 2023), Table 2, Amazon Beauty, as published (different training budget/model)
