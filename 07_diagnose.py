@@ -411,8 +411,7 @@ def figures(stem: str, results: dict, raw: dict, names: list, heatmap_max: int):
     for i in range(len(models), nr * nc):
         axes[i // nc, i % nc].axis("off")
         axes[nr + i // nc, i % nc].axis("off")
-    fig.suptitle(f"cosine of SID rows ordered by (level, code), levels {''.join(names)}\n"
-                 "top: raw rows; bottom: rows minus their level's mean", fontsize=9)
+    fig.suptitle(f"SID-row cosine, (level, code) order\ntop: raw; bottom: minus level mean", fontsize=8)
     paths["cosine"] = _save(fig, f"{stem}_cosine.png")
     fig, axes = plt.subplots(nr, nc, figsize=(3.2 * nc, 3 * nr), squeeze=False)
     for ax, m in zip(axes.flat, models):                               # popularity scatter
