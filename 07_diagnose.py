@@ -65,7 +65,8 @@ class Args:
     folds: int = 5
     """cross-validation folds of the popularity probe"""
     rtol: float = 1e-3
-    """singular values below rtol * ||X||_F count as zero (rows at one point -> effective rank 1)"""
+    """rows whose centered norm is <= rtol of their norm are collapsed (effective rank 1); singular values
+    <= rtol * the largest are dropped as float noise"""
     heatmap_max: int = 1024
     """at most this many tokens per cosine heatmap (evenly subsampled per level beyond it)"""
     figures: bool = True
@@ -145,15 +146,16 @@ def load_pt(path: str, hint: str):
 def spectrum(X: np.ndarray, center: bool = True, rtol: float = 1e-3):
     """Singular values, effective rank exp(H(p)) with p_i = s_i / sum_j s_j (Roy & Vetterli 2007), top-1 share.
 
-    Singular values <= rtol * ||X||_F (directions holding < rtol^2 of the rows' energy) count as zero. When
-    none is left - every row at one point, e.g. mean init - the spread has no direction; we define the
-    effective rank as 1 (exp of the entropy of a point mass, the rank of n identical rows before centering)
-    and the top-1 share as 1, and flag `collapsed`. Centering n orthonormal rows leaves rank n - 1."""
+    Collapse: when the centered rows keep at most rtol of the rows' norm (||X - mean||_F <= rtol ||X||_F; mean
+    init, also with transformers' 1e-9-covariance noise) the spread has no direction; we define the effective
+    rank as 1 (exp of the entropy of a point mass; the rank of n identical rows before centering), the top-1
+    share as 1, and flag `collapsed`. Otherwise singular values <= rtol * s_1 are float noise and dropped.
+    Centering n orthonormal rows leaves rank n - 1."""
     Xc = X - X.mean(0, keepdims=True) if center else X                # (n, d)
-    s = np.linalg.svd(Xc, compute_uv=False)                            # (min(n, d),)
-    s = s[s > rtol * np.linalg.norm(X)]
-    if len(s) == 0:
+    if np.linalg.norm(Xc) <= rtol * np.linalg.norm(X):
         return {"effective_rank": 1.0, "top1_var_share": 1.0, "collapsed": True, "singular_values": []}
+    s = np.linalg.svd(Xc, compute_uv=False)                            # (min(n, d),)
+    s = s[s > rtol * s[0]]
     p = s / s.sum()                                                    # p_i = s_i / sum s
     return {"effective_rank": float(np.exp(-(p * np.log(p)).sum())),  # exp(H(p))
             "top1_var_share": float(s[0] ** 2 / (s ** 2).sum()), "collapsed": False,
@@ -383,9 +385,8 @@ def figures(stem: str, results: dict, raw: dict, names: list, heatmap_max: int):
     fig, ax = plt.subplots(figsize=(6, 4))                             # spectra overlaid
     for m in models:
         s = np.asarray(raw[m]["s"])
-        if len(s):
-            ax.semilogy(np.arange(1, len(s) + 1), s / s.sum(),
-                        label=f"{m} (erank {results[m]['levels']['all']['effective_rank']:.1f})")
+        ax.semilogy(np.arange(1, len(s) + 1), s / max(s.sum(), 1e-30), label=f"{m} (erank "
+                    f"{results[m]['levels']['all']['effective_rank']:.1f}{', collapsed' if not len(s) else ''})")
     ax.set(xlabel="component", ylabel="s_i / sum s", title="SID rows, centered: singular value spectrum")
     ax.legend(fontsize=7)
     paths["spectra"] = _save(fig, f"{stem}_spectra.png")
