@@ -49,7 +49,7 @@ class Args:
     seeds: int = 3
     """seeds per variant (0, 1, ...): 03's random rows / map / shuffle, 04's and 05's order"""
     sft_steps: int = 0
-    """05 optimizer steps, the same for every variant (0: mode default, CPU 30; GPU uses --sft-epochs)"""
+    """05 optimizer steps, the same for every variant (0: mode default, CPU 20; GPU uses --sft-epochs)"""
     sft_epochs: float = 0.0
     """05 epochs over all examples instead of steps (0: mode default, GPU 3)"""
     sft_batch_size: int = 0
@@ -61,7 +61,7 @@ class Args:
     val_examples: int = 0
     """05 validation examples (0: mode default, CPU 64, GPU all users)"""
     ground_steps: int = 0
-    """04 optimizer steps for the +gti variants (0: mode default, CPU 30, GPU 2000)"""
+    """04 optimizer steps for the +gti variants (0: mode default, CPU 20, GPU 2000)"""
     ground_batch_size: int = 0
     """04 examples per step (0: mode default, CPU 16, GPU 64)"""
     eval_users: int = -1
@@ -98,11 +98,13 @@ class Args:
     """run nothing; aggregate whatever runs exist under --work-dir into the tables and figures"""
 
 
-# CPU budget, sized from per-step times measured on this 2-core machine (05: ~3.2 s/step of 16 examples):
-# per run ~3 min (03 15 s, 05 30 steps + 4 validations ~2 min, 06 100 users, 07 x2) -> 24 runs + 6 groundings
-# of 30 steps ~ 80-90 min for 8 variants x 3 seeds when the machine is otherwise idle.
-CPU = {"datasets": "ml-100k", "sft_steps": 30, "sft_epochs": 0.0, "sft_batch_size": 16, "eval_every": 10,
-       "val_examples": 64, "ground_steps": 30, "ground_batch_size": 16, "eval_users": 100, "device": "cpu"}
+# CPU budget. Measured here (2 shared cores, load ~4 from other jobs, 00:35 UTC): one `random` run at 30 SFT
+# steps took 517 s = 03 22 s + 07 18 s + 05 443 s (6.1 s/step training, the rest 4 validations of 64
+# examples with a best-model save and a resume checkpoint each) + 06 32 s (100 users). Hence 20 steps with
+# validation at 0/10/20: ~3-4 min per run on an idle machine, ~6 min under that load; 24 runs (+ 2 x 3
+# groundings) land at ~90 min idle, longer when the cores are shared. Geometry needs far less (--until init).
+CPU = {"datasets": "ml-100k", "sft_steps": 20, "sft_epochs": 0.0, "sft_batch_size": 16, "eval_every": 10,
+       "val_examples": 64, "ground_steps": 20, "ground_batch_size": 16, "eval_users": 100, "device": "cpu"}
 GPU = {"datasets": "ml-100k,amazon-beauty", "sft_steps": 0, "sft_epochs": 3.0, "sft_batch_size": 64,
        "eval_every": 200, "val_examples": 0, "ground_steps": 2000, "ground_batch_size": 64, "eval_users": 0,
        "device": "cuda"}
