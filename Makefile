@@ -27,9 +27,19 @@ data/ml-100k/ml-100k.inter: .venv/.installed scripts/get_ml100k.py
 test: setup
 	$(PY) -m pytest -q tests
 
+# The pipeline on CPU: every step once, the SFT/eval chain on centroid init + GTI grounding.
 run: setup
 	$(PY) 01_embed_items.py --dataset $(DATASET) --out-dir $(OUT)
 	$(PY) 02_rqvae.py --out-dir $(OUT)
+	$(PY) 03_expand_vocab.py --out-dir $(OUT) --model $(BACKBONE) --init all
+	$(PY) 04_ground.py --out-dir $(OUT) --model $(OUT)/models/centroid
+	$(PY) 05_sft.py --out-dir $(OUT) --model $(OUT)/models/centroid+gti
+	$(PY) 06_eval.py --out-dir $(OUT) --model $(OUT)/models/centroid+gti+sft
+	$(PY) 07_diagnose.py --out-dir $(OUT)
+
+# Beam-search benchmark (needs `make run` or at least 01-03): ours vs generate(num_beams) vs forward floor.
+bench: setup
+	$(PY) bench/beam_search.py --model $(OUT)/models/centroid --users 16 --beam 20
 
 clean:
 	rm -rf out
