@@ -109,6 +109,8 @@ class Args:
     """one log line every N steps"""
     resume: bool = False
     """continue from <save>.resume.pt (same arguments)"""
+    resumable: bool = True
+    """write <save>.resume.pt (model + optimizer state, ~3x the model) at each validation; --no-resumable skips it (short runs)"""
     stop_at: int = 0
     """stop abruptly after this step, as if killed (to test --resume); 0: off"""
     device: str = "auto"
@@ -447,7 +449,7 @@ def main():
             if master:
                 save_folder(save, raw, tok, {"sid_vocab.json": vocab, "sft_config.json": sft_config})
         log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f}" + (" | best, saved" if better else ""))
-        if master and step > 0:
+        if master and args.resumable and 0 < step < total:              # the last step needs no resume state
             ck = {"model": raw.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                   "rng": torch.get_rng_state(), "state": state, "examples": len(examples), "world": world,
                   "args": {k: getattr(args, k) for k in keep}}

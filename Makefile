@@ -43,3 +43,10 @@ bench: setup
 
 clean:
 	rm -rf out
+
+# The reproduction study (issue 5): 8 init variants x seeds through 03 -> (04) -> 05 -> 06, 07 at each stage.
+study: setup
+	nice $(PY) scripts/study.py --datasets $(DATASET)
+
+study-gpu: setup
+	$(PY) scripts/study.py --gpu

@@ -284,7 +284,7 @@ def run_one(a: Args, ds, base, variant, seed):
         return finish(a, run, seed, stages)
     budget = ["--epochs", a.sft_epochs] if a.sft_epochs else ["--steps", a.sft_steps]
     step(a, "05_sft.py", ["--model", m, "--save", final, "--out-dir", run, *budget, "--batch-size", a.sft_batch_size,
-                          "--eval-every", a.eval_every, "--val-examples", a.val_examples,
+                          "--eval-every", a.eval_every, "--val-examples", a.val_examples, "--no-resumable",
                           *(["--lr", a.sft_lr] if a.sft_lr else []), *v.get("sft", []), "--seed", seed, *dev],
          f"{logs}/05.log", weights(final) and os.path.exists(os.path.join(final, "05_sft.json")))
     stages["sft"] = final

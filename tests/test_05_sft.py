@@ -67,7 +67,8 @@ def test_collate_keeps_targets_at_the_end():
 def test_resume_equals_uninterrupted(sid_setup, tmp_path):
     out, _, model_dir = sid_setup
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    run("05_sft.py", "--model", model_dir, "--save", a, *TINY, "--steps", "8")
+    run("05_sft.py", "--model", model_dir, "--save", a, *TINY, "--steps", "8", "--no-resumable")
+    assert not os.path.exists(a + ".resume.pt")                                 # --no-resumable: no state file
     r = run("05_sft.py", "--model", model_dir, "--save", b, *TINY, "--steps", "8", "--stop-at", "5")
     assert "stopped after step 5" in r.stdout and os.path.exists(b + ".resume.pt")
     assert not os.path.exists(os.path.join(b, "05_sft.json"))
