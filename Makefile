@@ -35,7 +35,7 @@ run: setup
 	$(PY) 04_ground.py --out-dir $(OUT) --model $(OUT)/models/centroid
 	$(PY) 05_sft.py --out-dir $(OUT) --model $(OUT)/models/centroid+gti
 	$(PY) 06_eval.py --out-dir $(OUT) --model $(OUT)/models/centroid+gti+sft
-	$(PY) 07_diagnose.py --out-dir $(OUT)
+	$(PY) 07_diagnose.py --out-dir $(OUT) --models random,mean,centroid,shuffled,centroid+gti,centroid+gti+sft
 
 # Beam-search benchmark (needs `make run` or at least 01-03): ours vs generate(num_beams) vs forward floor.
 bench: setup
