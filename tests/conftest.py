@@ -1,6 +1,7 @@
 """Shared test helpers: run a numbered script in a subprocess, build tiny synthetic artifacts that follow
 docs/artifacts.md (so each step can be tested without running its predecessors), and a tiny random
 Llama model that carries the real SmolLM2 tokenizer."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +17,15 @@ ML100K = os.path.join(REPO, "data", "ml-100k")
 BEAUTY = os.path.join(os.path.dirname(REPO), "shared", "data", "amazon-beauty")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def load_script(path):
+    """Numbered scripts start with a digit, so tests load them by path (relative to the repo), not by name."""
+    name = "script_" + os.path.basename(path)[:-3]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def run(script, *args, check=True, timeout=900):

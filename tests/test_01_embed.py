@@ -1,6 +1,5 @@
 """01_embed_items.py: dataset loading (counts, chronology, split, popularity), the encoder's mean pooling,
 the generic CSV format with the LM encoder, and bad input."""
-import importlib.util
 import json
 import os
 
@@ -8,15 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BEAUTY, ML100K, REPO, assert_one_line_error, run
-
-
-def load_script(name):
-    """Numbered scripts start with a digit, so they are loaded by path, not imported by name."""
-    spec = importlib.util.spec_from_file_location("step_" + name[:-3], os.path.join(REPO, name))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_script, BEAUTY, ML100K, REPO, assert_one_line_error, run
 
 
 E = load_script("01_embed_items.py")

@@ -1,6 +1,5 @@
 """02_rqvae.py: the quantizer's math (residual identity, k-means init, collision suffix, centroids),
 determinism, an 01 -> 02 smoke run on ML-100K, and bad input."""
-import importlib.util
 import json
 import os
 import shutil
@@ -9,15 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ML100K, REPO, assert_one_line_error, make_synthetic_out, run
-
-
-def load_script(name):
-    """Numbered scripts start with a digit, so they are loaded by path, not imported by name."""
-    spec = importlib.util.spec_from_file_location("step_" + name[:-3], os.path.join(REPO, name))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_script, ML100K, REPO, assert_one_line_error, make_synthetic_out, run
 
 
 Q = load_script("02_rqvae.py")

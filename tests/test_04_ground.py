@@ -1,5 +1,4 @@
 """04_ground.py: only the new rows move (bit-identical everything else), the loss falls, the folder reloads."""
-import importlib.util
 import json
 import os
 
@@ -7,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, assert_one_line_error, run
+from conftest import load_script, REPO, assert_one_line_error, run
 
 
 def new_ids(folder):
@@ -21,9 +20,7 @@ def params(folder):
 
 def test_masked_adamw_leaves_rows_bit_identical():
     """The mechanism alone: row-mask hook + AdamW(weight_decay=0) + clipping never moves a masked row."""
-    spec = importlib.util.spec_from_file_location("ground", os.path.join(REPO, "04_ground.py"))
-    g = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(g)
+    g = load_script("04_ground.py")
     torch.manual_seed(0)
     emb = torch.nn.Embedding(50, 8)
     before = emb.weight.detach().clone()
@@ -44,9 +41,7 @@ def test_masked_adamw_leaves_rows_bit_identical():
 
 def test_tied_scores_count_as_chance():
     """Mean init ties every new row: accuracy must be 1/#tied, not whatever argmax's tie-break picks."""
-    spec = importlib.util.spec_from_file_location("ground", os.path.join(REPO, "04_ground.py"))
-    g = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(g)
+    g = load_script("04_ground.py")
     s = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 2.0, 1.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
     assert g.tie_hits(s, torch.tensor([0, 1, 1])).tolist() == [0.25, 0.5, 0.0]
 

@@ -1,5 +1,4 @@
 """05_sft.py: no leakage of validation/test targets, resume == uninterrupted, 2-process gloo DDP, bad input."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -8,18 +7,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, assert_one_line_error, make_synthetic_out, make_tiny_model, run
+from conftest import load_script, REPO, assert_one_line_error, make_synthetic_out, make_tiny_model, run
 from sid_model import make_sid_model
 
 TINY = ["--steps", "6", "--eval-every", "3", "--log-every", "1", "--batch-size", "8", "--lr", "3e-3",
         "--warmup", "2", "--val-examples", "16", "--device", "cpu"]
-
-
-def load_05():
-    spec = importlib.util.spec_from_file_location("sft05", os.path.join(REPO, "05_sft.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +24,7 @@ def sid_setup(tmp_path_factory):
 
 def test_examples_never_contain_valid_or_test_targets(sid_setup, tmp_path):
     from transformers import AutoTokenizer
-    sft = load_05()
+    sft = load_script("05_sft.py")
     out, _, model_dir = sid_setup
     data = torch.load(os.path.join(out, "dataset.pt"), weights_only=True)
     vocab = json.load(open(os.path.join(model_dir, "sid_vocab.json")))
@@ -56,7 +48,7 @@ def test_examples_never_contain_valid_or_test_targets(sid_setup, tmp_path):
 
 
 def test_collate_keeps_targets_at_the_end():
-    sft = load_05()
+    sft = load_script("05_sft.py")
     ids, mask, pos, labels = sft.collate([([5, 6, 7], [8, 9]), ([5], [8, 9, 10])], pad_id=0)
     assert ids.tolist() == [[5, 6, 7, 8, 9], [0, 5, 8, 9, 10]]
     assert pos.tolist() == [[0, 1, 2, 3, 4], [0, 0, 1, 2, 3]]

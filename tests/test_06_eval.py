@@ -1,5 +1,4 @@
 """06_eval.py: beam search == brute force, only valid SIDs, metrics by hand, bad input, end-to-end run."""
-import importlib.util
 import json
 import os
 import shutil
@@ -7,15 +6,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, assert_one_line_error, make_synthetic_out, make_tiny_model, run
+from conftest import load_script, REPO, assert_one_line_error, make_synthetic_out, make_tiny_model, run
 from sid_model import make_sid_model
-
-
-def load_06():
-    spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +38,7 @@ def brute_force(model, prompt, item_tok):
 
 
 def test_beam_search_equals_brute_force(sid_setup):
-    ev = load_06()
+    ev = load_script("06_eval.py")
     out, _, model_dir = sid_setup
     model, tok, item_tok, prompts, level_tok, nxt = prepared(ev, out, model_dir)
     n = item_tok.shape[0]
@@ -62,7 +54,7 @@ def test_beam_search_equals_brute_force(sid_setup):
 
 
 def test_only_valid_unique_sids(sid_setup):
-    ev = load_06()
+    ev = load_script("06_eval.py")
     out, _, model_dir = sid_setup
     model, tok, item_tok, prompts, level_tok, nxt = prepared(ev, out, model_dir)
     n = item_tok.shape[0]
@@ -78,7 +70,7 @@ def test_only_valid_unique_sids(sid_setup):
 
 
 def test_trie_tables():
-    ev = load_06()
+    ev = load_script("06_eval.py")
     codes = np.array([[0, 1, 0], [0, 1, 1], [1, 0, 0]])
     nxt = ev.build_trie(codes, [2, 2, 2])
     assert nxt[0].tolist() == [[0, 1]]                                          # root -> prefixes (0,), (1,)
@@ -87,7 +79,7 @@ def test_trie_tables():
 
 
 def test_metrics_by_hand():
-    ev = load_06()
+    ev = load_script("06_eval.py")
     topk = np.array([[7, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6], [9, 8, 7, 6, 5, 4]])
     targets = np.array([7, 0, 6])       # user 0: rank 1; user 1: absent; user 2: rank 4
     m = ev.rank_metrics(topk, targets, ks=(1, 5), ndcg_ks=(1, 5))

@@ -1,6 +1,5 @@
 """07_diagnose.py: the diagnostics' math on constructed cases, then the script on tiny model folders that carry
 SID tokens (built here, independently of 03, following docs/artifacts.md)."""
-import importlib.util
 import json
 import os
 import shutil
@@ -9,11 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, assert_one_line_error, make_synthetic_out, make_tiny_model, run
+from conftest import load_script, REPO, assert_one_line_error, make_synthetic_out, make_tiny_model, run
 
-spec = importlib.util.spec_from_file_location("diag", os.path.join(REPO, "07_diagnose.py"))
-diag = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(diag)
+diag = load_script("07_diagnose.py")
 
 
 # --- math ---------------------------------------------------------------------------------------

@@ -1,17 +1,14 @@
 """scripts/study.py: the aggregation (mean +- std, steps to threshold, most-popular row) on constructed run
 folders, and the driver's command plan (--dry-run) against the numbered scripts' current flags."""
-import importlib.util
 import json
 import os
 
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_one_line_error, run
+from conftest import load_script, REPO, assert_one_line_error, run
 
-spec = importlib.util.spec_from_file_location("study", os.path.join(REPO, "scripts", "study.py"))
-study = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(study)
+study = load_script("scripts/study.py")
 
 
 def test_mean_std_and_steps_to_threshold():
