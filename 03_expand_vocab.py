@@ -61,7 +61,8 @@ class Args:
     centroid_map: str = "orthogonal"
     """centroid init when d < d_model: pad (zero-pad) | orthogonal (seeded orthonormal d -> d_model map)"""
     centroid_scale: str = "matched"
-    """centroid init: plain (the paper's mean shift only) | matched (also scale to the existing rows' spread)"""
+    """centroid init: plain (the paper's mean shift only) | matched (also scale to the existing rows' spread);
+    matched is the default: lower SFT validation loss in the study (7.27 vs 7.89 after 20 steps, results/)"""
     device: str = "auto"
     """auto | cpu | cuda | mps (only where the statistics are computed; cpu is fast enough)"""
     seed: int = 0
