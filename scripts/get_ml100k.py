@@ -20,8 +20,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="data/ml-100k", help="output folder")
     a = p.parse_args()
-    if all(os.path.getsize(os.path.join(a.out, f)) > 0 for f in FILES if os.path.exists(os.path.join(a.out, f))) \
-            and all(os.path.exists(os.path.join(a.out, f)) for f in FILES):
+    paths = [os.path.join(a.out, f) for f in FILES]
+    if all(os.path.exists(p) and os.path.getsize(p) > 0 for p in paths):
         print(f"[ml-100k] {a.out} exists, nothing to do")
         return
     os.makedirs(a.out, exist_ok=True)
