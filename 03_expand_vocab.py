@@ -12,11 +12,14 @@ the centroid paper; `shuffled` is its ablation.
               c'_{l,k} = P(c_{l,k})    P = truncate to d_model (d >= d_model), else zero-pad or a fixed seeded
                                       orthonormal d -> d_model map (both keep every pairwise distance)
               e_{l,k} = s * (c'_{l,k} - mean_{l,k} c') + mu            (Alg. 1 mean shift; s = 1 "plain",
-                        s = rms spread of the existing rows / rms spread of the c' ("matched"))
+                        s = rms spread of the existing rows / rms spread of the c' ("matched");
+                        "level": each level centered on its own mean and scaled to that spread)
     shuffled: the centroid rows permuted among the codes of each level (same rows, no semantic alignment)
 
 Rows are written by token id (never weight[-n:]: Qwen-style checkpoints have padding rows past the tokenizer).
-An untied output head gets the same recipe with the head's own statistics. "Existing rows" = the rows of
+An untied output head gets the same recipe with the head's own statistics. --head-init X unties a tied
+head (the head gets its own copy of the matrix) and gives the head's new rows init X: the input and output
+roles of the SID rows can then be studied apart (the study's untied 2 x 2). "Existing rows" = the rows of
 the tokens the tokenizer had before (padding rows excluded; for SmolLM2 the two are the same).
 
 Reads:  <out-dir>/sids.npy, <out-dir>/centroids.pt (02), the base model (--model)
@@ -62,7 +65,11 @@ class Args:
     """centroid init when d < d_model: pad (zero-pad) | orthogonal (seeded orthonormal d -> d_model map)"""
     centroid_scale: str = "matched"
     """centroid init: plain (the paper's mean shift only) | matched (also scale to the existing rows' spread);
-    matched is the default: lower SFT validation loss in the study (7.27 vs 7.89 after 20 steps, results/)"""
+    matched is the default: lower SFT validation loss in the study (7.27 vs 7.89 after 20 steps, results/);
+    level = matched per level (each level centered on its own mean: deeper levels' centroids are tighter)"""
+    head_init: str = "same"
+    """same (the head, tied or not, follows --init) | random | mean | centroid | shuffled: untie the output
+    head and give its new rows this init"""
     device: str = "auto"
     """auto | cpu | cuda | mps (only where the statistics are computed; cpu is fast enough)"""
     seed: int = 0
@@ -163,9 +170,14 @@ def new_rows(init: str, old: torch.Tensor, cents: list, args: Args) -> torch.Ten
         return mu.expand(n, -1).clone()                                   # e = mu                   (n, D)
     # centroid / shuffled: map, center on the centroids' own mean, (scale), shift to mu   (Alg. 1)
     c = map_to_width(torch.cat(cents), old.shape[1], args.centroid_map, gen)   # (n, D)
-    c = c - c.mean(0)                                                       # c' - mean_{l,k} c'
-    if args.centroid_scale == "matched":                                    # rms spread: old rows / centroids
-        c = c * ((old - mu).pow(2).sum(1).mean().sqrt() / c.pow(2).sum(1).mean().sqrt().clamp_min(1e-12))
+    spread = lambda x: x.pow(2).sum(1).mean().sqrt().clamp_min(1e-12)      # rms distance to the mean
+    if args.centroid_scale == "level":                                      # per level: center, match spread
+        c = torch.cat([(x - x.mean(0)) * (spread(old - mu) / spread(x - x.mean(0)))
+                       for x in c.split([len(cl) for cl in cents])])
+    else:
+        c = c - c.mean(0)                                                   # c' - mean_{l,k} c'
+        if args.centroid_scale == "matched":                                # rms spread: old rows / centroids
+            c = c * (spread(old - mu) / spread(c))
     rows = c + mu                                                           # + mean(pretrained rows)  (n, D)
     if init == "shuffled":                                                  # permute within each level
         perm_gen, start, order = torch.Generator().manual_seed(args.seed + 1), 0, []
@@ -238,8 +250,10 @@ def main():
         die(f"unknown --init {args.init!r}; use {' | '.join(INITS)} | all")
     if args.centroid_map not in ("pad", "orthogonal"):
         die(f"unknown --centroid-map {args.centroid_map!r}; use pad | orthogonal")
-    if args.centroid_scale not in ("plain", "matched"):
-        die(f"unknown --centroid-scale {args.centroid_scale!r}; use plain | matched")
+    if args.centroid_scale not in ("plain", "matched", "level"):
+        die(f"unknown --centroid-scale {args.centroid_scale!r}; use plain | matched | level")
+    if args.head_init != "same" and args.head_init not in INITS:
+        die(f"unknown --head-init {args.head_init!r}; use same | {' | '.join(INITS)}")
     seed_everything(args.seed)
     device = pick_device(args.device)
     t0 = time.time()
@@ -261,6 +275,14 @@ def main():
         model.resize_token_embeddings(len(tok), mean_resizing=False)   # rows overwritten by id below
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     untied = head is not None and head.weight.data_ptr() != emb.weight.data_ptr()
+    if args.head_init != "same" and not untied:
+        if head is None:
+            die(f"--head-init {args.head_init}: --model {args.model} has no output head to untie")
+        head.weight = torch.nn.Parameter(emb.weight.detach().clone())     # the head's own copy of the rows
+        model.config.tie_word_embeddings = False                          # saved and reloaded untied
+        if hasattr(model.config, "get_text_config"):
+            model.config.get_text_config().tie_word_embeddings = False
+        untied = True
     mats = {"embed": emb.weight} | ({"head": head.weight} if untied else {})
     old_ids = torch.arange(min(vocab_before, emb.weight.shape[0]))      # rows of pre-existing tokens
     olds = {k: w.detach()[old_ids].to(device, torch.float32) for k, w in mats.items()}  # (V_old, D)
@@ -290,7 +312,8 @@ def main():
         norms = {}
         with torch.no_grad():
             for k, w in mats.items():
-                rows = new_rows(init, olds[k], [c.to(device) for c in cents], args)   # (n, D) by (level, code)
+                how = args.head_init if k == "head" and args.head_init != "same" else init
+                rows = new_rows(how, olds[k], [c.to(device) for c in cents], args)    # (n, D) by (level, code)
                 w[ids.to(w.device)] = rows.to(w.device, w.dtype)                     # write by token id
                 norms[k] = {"new_mean_norm": round(float(rows.norm(dim=1).mean()), 4),
                             "old_mean_norm": round(float(olds[k].norm(dim=1).mean()), 4),
@@ -301,6 +324,7 @@ def main():
         summary[init] = {"init": init, "num_new_tokens": len(names), "model": args.model,
                          "vocab_before": vocab_before, "vocab_after": len(tok), "tied": not untied,
                          "centroid_map": args.centroid_map, "centroid_scale": args.centroid_scale,
+                         "head_init": init if args.head_init == "same" else args.head_init,
                          "norms": norms, "seconds": round(time.time() - t1, 2)}
         e = norms["embed"]
         print(f"init={init:9s} new rows |e| {e['new_mean_norm']:.3f} (old {e['old_mean_norm']:.3f}), "

@@ -45,7 +45,7 @@ class Args:
     data_dir: str = ""
     """Amazon Beauty folder for 01 (default: 01's own, ../shared/data/amazon-beauty)"""
     variants: str = "random,mean,mean+aux,centroid,centroid-matched,shuffled,mean+gti,centroid+gti"
-    """which variants to run (names in VARIANTS below)"""
+    """which variants to run (names in VARIANTS below; `why` = the centroid-vs-random investigation)"""
     seeds: int = 3
     """seeds per variant (0, 1, ...): 03's random rows / map / shuffle, 04's and 05's order"""
     sft_steps: int = 0
@@ -61,7 +61,7 @@ class Args:
     val_examples: int = 0
     """05 validation examples (0: mode default, CPU 64, GPU all users)"""
     ground_steps: int = 0
-    """04 optimizer steps for the +gti variants (0: mode default, CPU 20, GPU 2000)"""
+    """04 optimizer steps for the +gti variants (0: mode default, CPU 60, GPU 2000)"""
     ground_batch_size: int = 0
     """04 examples per step (0: mode default, CPU 16, GPU 64)"""
     eval_users: int = -1
@@ -102,9 +102,10 @@ class Args:
 # steps took 517 s = 03 22 s + 07 18 s + 05 443 s (6.1 s/step training, the rest 4 validations of 64
 # examples with a best-model save and a resume checkpoint each) + 06 32 s (100 users). Hence 20 steps with
 # validation at 0/10/20: ~3-4 min per run on an idle machine, ~6 min under that load; 24 runs (+ 2 x 3
-# groundings) land at ~90 min idle, longer when the cores are shared. Geometry needs far less (--until init).
+# groundings of 60 steps, ~3 min each) land at ~90 min idle, longer when the cores are shared. Geometry needs
+# far less (--until init).
 CPU = {"datasets": "ml-100k", "sft_steps": 20, "sft_epochs": 0.0, "sft_batch_size": 16, "eval_every": 10,
-       "val_examples": 64, "ground_steps": 20, "ground_batch_size": 16, "eval_users": 100, "device": "cpu"}
+       "val_examples": 64, "ground_steps": 60, "ground_batch_size": 16, "eval_users": 100, "device": "cpu"}
 GPU = {"datasets": "ml-100k,amazon-beauty", "sft_steps": 0, "sft_epochs": 3.0, "sft_batch_size": 64,
        "eval_every": 200, "val_examples": 0, "ground_steps": 2000, "ground_batch_size": 64, "eval_users": 0,
        "device": "cuda"}
@@ -119,7 +120,16 @@ VARIANTS = {
     "shuffled":         {"init": "shuffled", "expand": ["--centroid-scale", "{centroid_scale}"]},
     "mean+gti":         {"init": "mean", "ground": True},
     "centroid+gti":     {"init": "centroid", "expand": ["--centroid-scale", "{centroid_scale}"], "ground": True},
+    # why does centroid init lose to random here? (`make study-why`): the map, per-level scale, the tied head
+    "centroid-pad":     {"init": "centroid", "expand": ["--centroid-scale", "matched", "--centroid-map", "pad"]},
+    "centroid-level":   {"init": "centroid", "expand": ["--centroid-scale", "level"]},
+    "untied-random":    {"init": "random", "expand": ["--head-init", "random"]},       # untying alone
+    "untied-centroid":  {"init": "centroid", "expand": ["--centroid-scale", "matched", "--head-init", "centroid"]},
+    "centroid-in+random-head": {"init": "centroid", "expand": ["--centroid-scale", "matched", "--head-init", "random"]},
+    "random-in+centroid-head": {"init": "random", "expand": ["--centroid-scale", "matched", "--head-init", "centroid"]},
 }
+WHY = "random,centroid-matched,centroid-pad,centroid-level,untied-random,untied-centroid,centroid-in+random-head," \
+      "random-in+centroid-head"
 STAGES = ("init", "ground", "sft")
 GEOMETRY = [("effective_rank", "erank"), ("top1_var_share", "top1"), ("mean_cos", "mean cos"),
             ("rsa_centroids", "RSA cent"), ("rsa_codebook", "RSA book"), ("pop_spearman_abs", "pop rho (abs)"),
@@ -249,7 +259,7 @@ def run_one(a: Args, ds, base, variant, seed):
     expand = [x.format(centroid_scale=a.centroid_scale) for x in v.get("expand", [])]
     if a.until not in ("init", "ground", "sft", "eval"):
         die(f"unknown --until {a.until!r}; use init|ground|sft|eval")
-    if a.centroid_map and v["init"] in ("centroid", "shuffled"):
+    if a.centroid_map and v["init"] in ("centroid", "shuffled") and "--centroid-map" not in expand:
         expand += ["--centroid-map", a.centroid_map]
     m = os.path.join(run, "models", v["init"])
     stages = {"init": m}
@@ -361,7 +371,7 @@ def report(a: Args, ds, res, figs, cmd):
     # --- recommendation
     lines += ["## Test metrics (mean +- std over seeds)", "",
               "| variant | " + " | ".join(n for _, n in METRICS) + " | cold R@10 (n) | best val loss | step of best"
-              f" | steps to val loss {thr:.3f} | s/run |", "|---" * (len(METRICS) + 6) + "|"]
+              f" | steps to val loss {thr:.3f} | last val token acc | s/run |", "|---" * (len(METRICS) + 7) + "|"]
     pop = None
     for v in variants:
         ev = [r["eval"] for r in res[v] if r["eval"]]
@@ -372,13 +382,14 @@ def report(a: Args, ds, res, figs, cmd):
                      + f" | {ms([e['cold_model'].get('recall@10') for e in ev])} ({ev[0]['cold_users'] if ev else '-'})"
                      + f" | {ms(best[v])} | {ms([s['best_step'] for s in sft], '{:.0f}')}"
                      + f" | {ms(reach, '{:.0f}')} ({sum(x is not None for x in reach)}/{len(sft)} reached)"
+                     + f" | {ms([s['val_curve'][-1][2] for s in sft if len(s['val_curve'][-1]) > 2])}"
                      + f" | {ms([r['seconds'] for r in res[v] if r['seconds']], '{:.0f}')} |")
     if pop:
         lines.append("| most popular | " + " | ".join(f"{pop['most_popular'].get(k, float('nan')):.3f}" for k, _ in METRICS)
-                     + f" | {pop['cold_most_popular'].get('recall@10', float('nan')):.3f} | | | | |")
+                     + f" | {pop['cold_most_popular'].get('recall@10', float('nan')):.3f} | | | | | |")
     if ds == "amazon-beauty":
         lines.append("| TIGER (published) | " + " | ".join(f"{TIGER_BEAUTY[k]:.4f}" if k in TIGER_BEAUTY else "-"
-                                                             for k, _ in METRICS) + " | | | | | |")
+                                                             for k, _ in METRICS) + " | | | | | | |")
     # --- geometry
     ref = next((r["reference"] for v in variants for r in res[v] if r["reference"]), None)
     lines += ["", "## Geometry of the SID rows (all levels; mean +- std over seeds)", "",
@@ -450,7 +461,7 @@ def run_all(a: Args, ds, base, variants):
 def main():
     a = parse_args()
     os.chdir(REPO)
-    variants = a.variants.split(",")
+    variants = (WHY if a.variants == "why" else a.variants).split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         die(f"unknown variant(s) {bad}; choose from {','.join(VARIANTS)}")

@@ -147,6 +147,41 @@ def test_untied_head_gets_both_matrices(synthetic_out, tiny_untied_model):
     assert not torch.allclose(e[ids], h[ids])
 
 
+def test_level_scale_centers_and_matches_each_level(tmp_path, tiny_model):
+    out = make_synthetic_out(str(tmp_path / "o"), d=16)
+    run("03_expand_vocab.py", "--out-dir", out, "--model", tiny_model, "--init", "centroid",
+        "--centroid-map", "orthogonal", "--centroid-scale", "level")
+    per_level, _ = centroids_in_order(out)
+    m, v, _ = load(os.path.join(out, "models", "centroid"))
+    old = AutoModelForCausalLM.from_pretrained(tiny_model).get_input_embeddings().weight.detach()
+    w = m.get_input_embeddings().weight.detach()
+    spread = lambda x: (x - x.mean(0)).pow(2).sum(1).mean().sqrt()
+    for l, c in enumerate(per_level):
+        rows = w[torch.tensor([t for t in v["token_ids"][l] if t >= 0])]
+        assert torch.allclose(rows.mean(0), old.mean(0), atol=1e-5)             # each level on the vocab mean
+        if len(c) > 1:
+            assert torch.allclose(spread(rows), spread(old), rtol=1e-4)         # each level at the vocab spread
+            d_rows, d_c = torch.pdist(rows), torch.pdist(c)                     # within-level geometry kept
+            assert torch.allclose(d_rows / d_rows.mean(), d_c / d_c.mean(), atol=1e-4)
+
+
+def test_head_init_unties_a_tied_head(synthetic_out, tiny_model):
+    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "centroid",
+        "--head-init", "random", "--centroid-map", "pad", "--centroid-scale", "plain")
+    m, _, ids = load(os.path.join(synthetic_out, "models", "centroid"))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model).get_input_embeddings().weight.detach()
+    e, h = m.get_input_embeddings().weight.detach(), m.get_output_embeddings().weight.detach()
+    assert not m.config.tie_word_embeddings and e.data_ptr() != h.data_ptr()    # reloads untied
+    assert torch.equal(e[:len(base)], base) and torch.equal(h[:len(base)], base)  # old rows: both the base's
+    _, c = centroids_in_order(synthetic_out)
+    assert torch.allclose(torch.cdist(e[ids], e[ids]), torch.cdist(c, c), atol=1e-4)  # input: centroid rows
+    assert len(torch.unique(h[ids], dim=0)) == len(ids)                              # head: random rows
+    assert not torch.allclose(torch.cdist(h[ids], h[ids]), torch.cdist(c, c), atol=1e-2)
+    err = assert_one_line_error(run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model,
+                                    "--head-init", "zeros", check=False))
+    assert "--head-init" in err
+
+
 def test_bad_input_one_line(tmp_path, synthetic_out, tiny_model):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -53,6 +53,7 @@ def test_report_table(tmp_path):
     assert "steps to val loss 3.100" in md                              # auto threshold: worst mean best loss
     assert "(2/2 reached)" in rows["random"] and "(1/2 reached)" in rows["mean"]
     assert rows["most popular"].count("0.050") == 4
+    assert "| 0.200 +- 0.000 |" in rows["random"]                           # last validation token accuracy
     assert os.path.exists(os.path.join(a.results_dir, "toy_val_loss.png"))
 
 
@@ -63,8 +64,12 @@ def test_dry_run_matches_script_flags(tmp_path):
             pytest.skip(f"{s} not written yet")
     r = run("scripts/study.py", "--dry-run", "--seeds", "1", "--work-dir", tmp_path / "w",
             "--results-dir", tmp_path / "r", "--out-root", tmp_path / "o")
-    assert r.stdout.count("python 05_sft.py") == len(study.VARIANTS)
+    assert r.stdout.count("python 05_sft.py") == len(study.Args.variants.split(","))
     assert r.stdout.count("python 04_ground.py") == 2 and "--aux-tasks" in r.stdout
+    r = run("scripts/study.py", "--dry-run", "--seeds", "1", "--variants", "why", "--until", "sft", "--work-dir",
+            tmp_path / "w", "--results-dir", tmp_path / "r", "--out-root", tmp_path / "o")
+    assert r.stdout.count("python 05_sft.py") == len(study.WHY.split(",")) and "06_eval.py" not in r.stdout
+    assert r.stdout.count("--head-init") == 4 and r.stdout.count("--centroid-map pad") == 1
 
 
 def test_unknown_variant_one_line():
