@@ -7,7 +7,7 @@ BACKBONE = models/SmolLM2-135M-Instruct
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup run test study study-gpu bench clean
+.PHONY: setup run test study study-gpu study-why bench clean
 setup: .venv/.installed $(BACKBONE)/config.json data/ml-100k/ml-100k.inter
 
 .venv/.installed: requirements.txt
@@ -50,3 +50,9 @@ study: setup
 
 study-gpu: setup
 	$(PY) scripts/study.py --gpu
+
+# Why does centroid init lose to random on CPU? Map (pad/orthogonal), per-level scale, tied vs untied head
+# (2 x 2: input rows x head rows), one seed, 40 SFT steps, no eval (~35 min on 2 CPU cores).
+study-why: setup
+	nice $(PY) scripts/study.py --datasets $(DATASET) --variants why --seeds 1 --sft-steps 40 --until sft \
+		--work-dir runs/why --tag _why
