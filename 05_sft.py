@@ -294,15 +294,16 @@ def collate(pairs, pad_id: int):
 
 
 def batch_loss(model, batch, device, ctx):
-    """Summed CE over target tokens and their count; the LM head runs on the last m positions only."""
+    """Summed CE over target tokens, their count, and hits (B, m): argmax == label at each target position.
+    The LM head runs on the last m positions only."""
     ids, mask, pos, labels = (x.to(device) for x in batch)
     with ctx:
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
                        logits_to_keep=labels.shape[1]).logits                  # (B, m, V)
     logits = logits.float()
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-    correct = ((logits.argmax(-1) == labels) & (labels != -100)).sum()
-    return loss, (labels != -100).sum(), correct
+    hits = (logits.argmax(-1) == labels) & (labels != -100)                     # (B, m)
+    return loss, (labels != -100).sum(), hits
 
 
 def stream_batch(n: int, offset: int, size: int, seed: int, perms: dict):
@@ -401,7 +402,8 @@ def main():
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
                             fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, total))
-    state = {"step": 0, "best_val": float("inf"), "best_step": -1, "loss_curve": [], "val_curve": [], "seconds": 0.0}
+    state = {"step": 0, "best_val": float("inf"), "best_step": -1, "loss_curve": [], "val_curve": [],
+             "val_level_acc": [], "seconds": 0.0}
     keep = ("model", "template", "max_history", "aux_tasks", "aux_ratio", "steps", "epochs", "batch_size",
             "grad_accum", "lr", "min_lr_frac", "warmup", "weight_decay", "clip", "eval_every", "val_examples", "seed")
     if args.resume:
@@ -425,30 +427,36 @@ def main():
                   "target": "SID tokens + eos", "aux_tasks": args.aux_tasks, "aux_templates": AUX_TEMPLATES}
 
     def evaluate():
-        """Validation loss and next-token accuracy over the target tokens, summed over all processes."""
+        """Validation loss, next-token accuracy over the target tokens and per target position (SID levels, eos),
+        summed over all processes. Every validation target is one item's SID + eos: K = L+2 tokens."""
         model.eval()
-        tot = torch.zeros(3, dtype=torch.float64, device=device)
+        K = vocab["num_levels"] + 1
+        tot = torch.zeros(3 + K, dtype=torch.float64, device=device)
         mine = val[rank::world]
         with torch.no_grad():
             for s in range(0, len(mine), args.batch_size // world):
-                loss, n, c = batch_loss(model, collate([encode(e) for e in mine[s:s + args.batch_size // world]],
-                                                       pad_id), device, ctx)
-                tot += torch.stack([loss.double(), n.double(), c.double()])
+                loss, n, hits = batch_loss(model, collate([encode(e) for e in mine[s:s + args.batch_size // world]],
+                                                          pad_id), device, ctx)
+                per_pos = hits[:, -1 - K:-1].sum(0)                     # labels are right-aligned      (K,)
+                tot += torch.cat([torch.stack([loss.double(), n.double(), hits.sum().double()]), per_pos.double()])
         if ddp:
             dist.all_reduce(tot)
         model.train()
-        return (tot[0] / tot[1]).item(), (tot[2] / tot[1]).item()
+        return (tot[0] / tot[1]).item(), (tot[2] / tot[1]).item(), (tot[3:] / (tot[1] / K)).tolist()
 
     def checkpoint(step):
         """Validate; save the best model (HF folder) and the resumable state. Rank 0 writes."""
-        vloss, vacc = evaluate()
+        vloss, vacc, vpos = evaluate()
         state["val_curve"].append([step, round(vloss, 5), round(vacc, 5)])
+        state.setdefault("val_level_acc", []).append([step, [round(x, 4) for x in vpos]])
         better = vloss < state["best_val"]
         if better:
             state["best_val"], state["best_step"] = vloss, step
             if master:
                 save_folder(save, raw, tok, {"sid_vocab.json": vocab, "sft_config.json": sft_config})
-        log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f}" + (" | best, saved" if better else ""))
+        log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f} ("
+            + " ".join(f"{n} {x:.2f}" for n, x in zip(vocab["level_names"] + ["eos"], vpos)) + ")"
+            + (" | best, saved" if better else ""))
         if master and args.resumable and 0 < step < total:              # the last step needs no resume state
             ck = {"model": raw.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                   "rng": torch.get_rng_state(), "state": state, "examples": len(examples), "world": world,
@@ -501,6 +509,7 @@ def main():
 
     # --- summary ---
     summary = {"loss_curve": state["loss_curve"], "val_curve": state["val_curve"], "best_step": state["best_step"],
+               "val_level_acc": state.get("val_level_acc", []), "val_level_names": vocab["level_names"] + ["eos"],
                "best_val_loss": state["best_val"], "steps": total, "examples": len(rec), "aux_examples": len(aux),
                "val_examples": len(val), "world_size": world, "batch_size": args.batch_size,
                "grad_accum": args.grad_accum, "seconds": round(state["seconds"], 1),

@@ -69,6 +69,12 @@ def test_resume_equals_uninterrupted(sid_setup, tmp_path):
     ja, jb = (json.load(open(os.path.join(d, "05_sft.json"))) for d in (a, b))
     assert ja["loss_curve"] == jb["loss_curve"] and ja["val_curve"] == jb["val_curve"]
     assert len(ja["loss_curve"]) == 8 and ja["best_step"] == jb["best_step"]
+    assert ja["val_level_acc"] == jb["val_level_acc"]
+    vocab = json.load(open(os.path.join(model_dir, "sid_vocab.json")))
+    assert ja["val_level_names"] == vocab["level_names"] + ["eos"]
+    for (st, loss, acc), (st2, per_level) in zip(ja["val_curve"], ja["val_level_acc"]):
+        assert st == st2 and len(per_level) == vocab["num_levels"] + 1 and all(0 <= x <= 1 for x in per_level)
+        assert abs(np.mean(per_level) - acc) < 1e-3        # every target has L+2 tokens: mean of positions
     from safetensors.torch import load_file
     wa, wb = (load_file(os.path.join(d, "model.safetensors")) for d in (a, b))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -93,6 +99,9 @@ def test_ddp_two_processes_gloo(sid_setup, tmp_path):
     l1, l2 = (np.array([v for _, v in j["loss_curve"]]) for j in (j1, j2))
     assert np.allclose(l1, l2, rtol=1e-3), (l1, l2)                          # same examples per step
     assert l2[-1] < l2[0]
+    for (_, _, a1), (_, p1), (_, _, a2), (_, p2) in zip(j1["val_curve"], j1["val_level_acc"],
+                                                         j2["val_curve"], j2["val_level_acc"]):
+        assert abs(np.mean(p1) - a1) < 1e-3 and abs(np.mean(p2) - a2) < 1e-3     # summed over both ranks
     siblings = [d for d in os.listdir(tmp_path) if d.startswith("two")]
     assert siblings == ["two"], siblings                                      # one checkpoint, no leftovers
     assert os.path.exists(os.path.join(two, "model.safetensors"))
