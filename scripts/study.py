@@ -354,6 +354,15 @@ def steps_to(curve, thr):
     return next((st for st, loss, *_ in curve if loss <= thr), None)
 
 
+def per_position(sft):
+    """Last validation accuracy at each target position (a/b/c/.../eos), mean over seeds; '-' if not logged."""
+    accs = [s["val_level_acc"][-1][1] for s in sft if s.get("val_level_acc")]
+    if not accs:
+        return "-"
+    names = sft[0].get("val_level_names") or [str(i) for i in range(len(accs[0]))]
+    return " ".join(f"{n} {x:.2f}" for n, x in zip(names, np.mean(accs, 0)))
+
+
 def report(a: Args, ds, res, figs, cmd):
     import matplotlib
     matplotlib.use("Agg")
@@ -371,7 +380,8 @@ def report(a: Args, ds, res, figs, cmd):
     # --- recommendation
     lines += ["## Test metrics (mean +- std over seeds)", "",
               "| variant | " + " | ".join(n for _, n in METRICS) + " | cold R@10 (n) | best val loss | step of best"
-              f" | steps to val loss {thr:.3f} | last val token acc | s/run |", "|---" * (len(METRICS) + 7) + "|"]
+              f" | steps to val loss {thr:.3f} | last val token acc | per position | s/run |",
+              "|---" * (len(METRICS) + 8) + "|"]
     pop = None
     for v in variants:
         ev = [r["eval"] for r in res[v] if r["eval"]]
@@ -383,13 +393,14 @@ def report(a: Args, ds, res, figs, cmd):
                      + f" | {ms(best[v])} | {ms([s['best_step'] for s in sft], '{:.0f}')}"
                      + f" | {ms(reach, '{:.0f}')} ({sum(x is not None for x in reach)}/{len(sft)} reached)"
                      + f" | {ms([s['val_curve'][-1][2] for s in sft if len(s['val_curve'][-1]) > 2])}"
+                     + f" | {per_position(sft)}"
                      + f" | {ms([r['seconds'] for r in res[v] if r['seconds']], '{:.0f}')} |")
     if pop:
         lines.append("| most popular | " + " | ".join(f"{pop['most_popular'].get(k, float('nan')):.3f}" for k, _ in METRICS)
-                     + f" | {pop['cold_most_popular'].get('recall@10', float('nan')):.3f} | | | | | |")
+                     + f" | {pop['cold_most_popular'].get('recall@10', float('nan')):.3f} | | | | | | |")
     if ds == "amazon-beauty":
         lines.append("| TIGER (published) | " + " | ".join(f"{TIGER_BEAUTY[k]:.4f}" if k in TIGER_BEAUTY else "-"
-                                                             for k, _ in METRICS) + " | | | | | | |")
+                                                             for k, _ in METRICS) + " | | | | | | | |")
     # --- geometry
     ref = next((r["reference"] for v in variants for r in res[v] if r["reference"]), None)
     lines += ["", "## Geometry of the SID rows (all levels; mean +- std over seeds)", "",
