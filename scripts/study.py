@@ -355,11 +355,11 @@ def steps_to(curve, thr):
 
 
 def per_position(sft):
-    """Last validation accuracy at each target position (a/b/c/.../eos), mean over seeds; '-' if not logged."""
+    """Last validation accuracy at each target position (a/b/c/.../eos), mean over the seeds that logged it."""
     accs = [s["val_level_acc"][-1][1] for s in sft if s.get("val_level_acc")]
     if not accs:
         return "-"
-    names = sft[0].get("val_level_names") or [str(i) for i in range(len(accs[0]))]
+    names = next((s["val_level_names"] for s in sft if s.get("val_level_names")), range(len(accs[0])))
     return " ".join(f"{n} {x:.2f}" for n, x in zip(names, np.mean(accs, 0)))
 
 
