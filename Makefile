@@ -52,7 +52,7 @@ study-gpu: setup
 	$(PY) scripts/study.py --gpu
 
 # Why does centroid init lose to random on CPU? Map (pad/orthogonal), per-level scale, tied vs untied head
-# (2 x 2: input rows x head rows), one seed, 40 SFT steps, no eval (~35 min on 2 CPU cores).
+# (2 x 2: input rows x head rows), one seed, 40 SFT steps, no eval (48 min of step time on 2 CPU cores).
 study-why: setup
 	nice $(PY) scripts/study.py --datasets $(DATASET) --variants why --seeds 1 --sft-steps 40 --until sft \
 		--work-dir runs/why --tag _why
