@@ -171,15 +171,12 @@ def new_rows(init: str, old: torch.Tensor, cents: list, args: Args) -> torch.Ten
         return mu.expand(n, -1).clone()                                   # e = mu                   (n, D)
     # centroid / shuffled: map, center on the centroids' own mean, (scale), shift to mu   (Alg. 1)
     c = map_to_width(torch.cat(cents), old.shape[1], args.centroid_map, gen)   # (n, D)
-    spread = lambda x: x.pow(2).sum(1).mean().sqrt().clamp_min(1e-12)      # rms distance to the mean
-    if args.centroid_scale == "level":                                      # per level: center, match spread
-        c = torch.cat([(x - x.mean(0)) * (spread(old - mu) / spread(x - x.mean(0)))
-                       for x in c.split([len(cl) for cl in cents])])
-    else:
-        c = c - c.mean(0)                                                   # c' - mean_{l,k} c'
-        if args.centroid_scale == "matched":                                # rms spread: old rows / centroids
-            c = c * (spread(old - mu) / spread(c))
-    rows = c + mu                                                           # + mean(pretrained rows)  (n, D)
+    spread = lambda x: x.pow(2).sum(1).mean().sqrt().clamp_min(1e-12)      # rms norm of centered rows
+    groups = c.split([len(cl) for cl in cents]) if args.centroid_scale == "level" else [c]  # level: each alone
+    groups = [g - g.mean(0) for g in groups]                                # c' - mean_{l,k} c'
+    if args.centroid_scale != "plain":                                      # rms spread: old rows / centroids
+        groups = [g * (spread(old - mu) / spread(g)) for g in groups]
+    rows = torch.cat(groups) + mu                                                           # + mean(pretrained rows)  (n, D)
     if init == "shuffled":                                                  # permute within each level
         perm_gen, start, order = torch.Generator().manual_seed(args.seed + 1), 0, []
         for cl in cents:

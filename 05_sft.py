@@ -23,8 +23,8 @@ on CUDA, bf16 autocast and non-deterministic cuBLAS/SDPA kernels make runs diffe
 Reads:  --model (a 03/04 folder: HF model + tokenizer + sid_vocab.json), <out-dir>/dataset.pt, sids.npy
         (default --out-dir: the folder two levels above --model).
 Writes: --save (default <model>+sft): the best model (lowest validation loss) + tokenizer + sid_vocab.json
-        + sft_config.json (template, max_history; read by 06) + 05_sft.json (loss curve, val curve, best
-        step, seconds); <save>.resume.pt while training (model, optimizer, scheduler, RNG, step; removed
+        + sft_config.json (template, max_history; read by 06) + 05_sft.json (loss curve, val curve, validation
+        accuracy per target position (SID levels, eos), best step, seconds); <save>.resume.pt while training (model, optimizer, scheduler, RNG, step; removed
         when the run finishes).
 
 CPU (demonstration budget, ~10 min for SmolLM2-135M at ~3.2 s/step; still below most-popular on ML-100K):
@@ -426,11 +426,13 @@ def main():
     sft_config = {"template": args.template, "max_history": args.max_history, "item_separator": "",
                   "target": "SID tokens + eos", "aux_tasks": args.aux_tasks, "aux_templates": AUX_TEMPLATES}
 
+    positions = vocab["level_names"] + ["eos"]                          # the target tokens of every val example
+
     def evaluate():
         """Validation loss, next-token accuracy over the target tokens and per target position (SID levels, eos),
         summed over all processes. Every validation target is one item's SID + eos: K = L+2 tokens."""
         model.eval()
-        K = vocab["num_levels"] + 1
+        K = len(positions)
         tot = torch.zeros(3 + K, dtype=torch.float64, device=device)
         mine = val[rank::world]
         with torch.no_grad():
@@ -455,7 +457,7 @@ def main():
             if master:
                 save_folder(save, raw, tok, {"sid_vocab.json": vocab, "sft_config.json": sft_config})
         log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f} ("
-            + " ".join(f"{n} {x:.2f}" for n, x in zip(vocab["level_names"] + ["eos"], vpos)) + ")"
+            + " ".join(f"{n} {x:.2f}" for n, x in zip(positions, vpos)) + ")"
             + (" | best, saved" if better else ""))
         if master and args.resumable and 0 < step < total:              # the last step needs no resume state
             ck = {"model": raw.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -509,7 +511,7 @@ def main():
 
     # --- summary ---
     summary = {"loss_curve": state["loss_curve"], "val_curve": state["val_curve"], "best_step": state["best_step"],
-               "val_level_acc": state.get("val_level_acc", []), "val_level_names": vocab["level_names"] + ["eos"],
+               "val_level_acc": state.get("val_level_acc", []), "val_level_names": positions,
                "best_val_loss": state["best_val"], "steps": total, "examples": len(rec), "aux_examples": len(aux),
                "val_examples": len(val), "world_size": world, "batch_size": args.batch_size,
                "grad_accum": args.grad_accum, "seconds": round(state["seconds"], 1),
