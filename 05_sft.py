@@ -1,39 +1,50 @@
 """Step 5: supervised fine-tuning (SFT) of the whole model on next-item prediction in SID tokens.
 
 Paper step: the recommendation task shared by both papers (TIGER-style generative retrieval; GTI, Chen et
-al. 2026, sec. 4.3 "standard SFT"; centroid init, Loveland et al. 2026, sec. 5). `--aux-tasks` mixes in
-LC-Rec-style language <-> SID examples (Zheng et al. 2024; the GTI paper's LC-Rec baseline).
+al. 2026, sec. 4.3 "standard SFT"; centroid init, Loveland et al. 2026, sec. 5). `--aux-tasks` mixes in a
+2-task subset of LC-Rec's language <-> SID tasks (item text -> SID, SID -> item text; Zheng et al. 2024;
+the GTI paper's LC-Rec baseline).
 
-    example (u, i):  prompt = template(SID(s_{u,i-H}) ... SID(s_{u,i-1})),  target = SID(s_{u,i}) + EOS
-                     for every position i >= 1 of the train part (s_u[:-2]); H = --max-history
-    loss = - (1 / #target tokens) sum_{t in target} log p(x_t | x_<t)      (prompt positions ignored)
-    lr(step) = lr * step / warmup, then cosine from lr to lr * --min-lr-frac
-The validation item (s_u[-2]) is only used for the validation loss that picks the best checkpoint; the test
-item (s_u[-1]) is never read. Token ids are built directly (template text ids + SID token ids from
-sid_vocab.json), so tokenization can never merge or split SID tokens. Batches are left-padded, so every
-target sits at the end of its row and the LM head runs only on the last (max target length + 1)
-positions (`logits_to_keep`): the 49k-wide head would otherwise dominate the step.
+Two objectives (--objective), both laid out exactly as 06_eval.py prompts the model (sft_config.json):
+    sequence (default): a row is a window w = (w_1 .. w_n) of <= H+1 consecutive train items of one user,
+        ids = "User history: " SID(w_1) SID(w_2) ... SID(w_n)
+        loss = - (1/#targets) sum_{j=2..n} sum_{t in SID(w_j)} log p(x_t | x_<t)
+        one forward pass supervises n-1 next items (a causal LM over the whole sequence, as SASRec does).
+        Windows are cut from the end of each train part with stride H: every train target once per epoch.
+    prompt: a row is one (history -> next item) instruction example (the LC-Rec / GTI format),
+        ids = template(SID(s_{i-H}) .. SID(s_{i-1})) SID(s_i) EOS,   loss on SID(s_i) + EOS only.
+    lr(step) = lr * (step+1) / warmup for step < warmup, then cosine from lr to lr * --min-lr-frac
+--softmax full | sid | level normalizes the SID targets over the whole vocabulary, over the SID tokens, or
+over the target level's codes (see SIDLoss); 06 scores with the same one. The validation item (s_u[-2])
+only feeds the validation loss that picks the best checkpoint; the test item (s_u[-1]) is never read.
+Token ids are built directly (template ids + SID token ids from sid_vocab.json), so tokenization can never
+merge or split SID tokens. The LM head runs only on the supervised positions.
+
+Why these CPU defaults (ML-100K, SmolLM2-135M, centroid + GTI start, 2 CPU cores, measured 2026-11-30;
+bench/sft_throughput.py): see "CPU defaults" in README.md; in short the sequence objective supervises
+~14x more target items per second than the prompt objective, bf16 autocast (CPUs with AVX512-BF16 / AMX)
+makes a step ~1.7x faster, and the level softmax skips the 49k-wide head.
 
 Multi-process: `torchrun --nproc_per_node=N 05_sft.py ...` (DistributedDataParallel; NCCL on CUDA, gloo on
-CPU; rank 0 logs and saves). --batch-size is the global micro-batch, split over the processes, so the
-examples and the loss trajectory match a single-process run. The example order is a pure function of
-(seed, step), so `--resume` continues a killed run from its last checkpoint with the same numbers (on CPU;
-on CUDA, bf16 autocast and non-deterministic cuBLAS/SDPA kernels make runs differ slightly).
+CPU; rank 0 logs and saves). --batch-size is the global micro-batch, split over the processes; each step's
+loss is normalized by the target tokens of all processes together, so the gradients equal a single-process
+run's up to float rounding. The example order is a pure function of (seed, step), so `--resume` continues a
+killed run from its last checkpoint with the same numbers (on CPU; on CUDA, bf16 autocast and
+non-deterministic cuBLAS/SDPA kernels make runs differ slightly).
 
 Reads:  --model (a 03/04 folder: HF model + tokenizer + sid_vocab.json), <out-dir>/dataset.pt, sids.npy
         (default --out-dir: the folder two levels above --model).
 Writes: --save (default <model>+sft): the best model (lowest validation loss) + tokenizer + sid_vocab.json
-        + sft_config.json (template, max_history; read by 06) + 05_sft.json (loss curve, val curve, validation
-        accuracy per target position (SID levels, eos), best step, seconds); <save>.resume.pt while training (model, optimizer, scheduler, RNG, step; removed
-        when the run finishes).
+        + sft_config.json (objective, template, max_history, softmax; read by 06) + 05_sft.json (loss curve,
+        val curve, validation accuracy per target position, best step, seconds); <save>.resume.pt while
+        training (model, optimizer, scheduler, RNG, step; removed when the run finishes).
 
-CPU (demonstration budget, ~10 min for SmolLM2-135M at ~3.2 s/step; still below most-popular on ML-100K):
-      python 05_sft.py --model out/ml-100k/models/centroid
-GPU (epochs over all ~97k ML-100K examples, bf16 autocast, larger batch):
-      python 05_sft.py --model out/ml-100k/models/centroid --device cuda --epochs 3 --batch-size 64 \
-          --lr 3e-4 --warmup 200 --eval-every 500 --val-examples 943
-      torchrun --nproc_per_node=4 05_sft.py --model out/ml-100k/models/centroid --epochs 3 --batch-size 256
-Good run prints one line per --log-every steps, e.g. "step 50/150 | loss 2.91 | lr 1.9e-04 | ...", the
+CPU:  python 05_sft.py --model out/ml-100k/models/centroid+gti
+GPU (epochs over all ML-100K windows, bf16 autocast, larger batch):
+      python 05_sft.py --model out/ml-100k/models/centroid+gti --device cuda --epochs 10 --batch-size 64 \
+          --lr 3e-4 --warmup 100 --eval-every 200 --val-examples 0
+      torchrun --nproc_per_node=4 05_sft.py --model out/ml-100k/models/centroid+gti --epochs 10 --batch-size 256
+Good run prints one line per --log-every steps, e.g. "step 50/300 | loss 2.91 | lr 1.9e-04 | ...", the
 validation loss every --eval-every steps, and "best step ... val loss ..." at the end.
 """
 # ---------------------------------------------------------------------------------------------------
@@ -69,39 +80,43 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 @dataclass
 class Args:
-    model: str = "out/ml-100k/models/centroid"
+    model: str = "out/ml-100k/models/centroid+gti"
     """input model folder (03_expand_vocab.py or 04_ground.py output)"""
     save: str = ""
     """output folder (default: <model>+sft)"""
     out_dir: str = ""
     """artifacts folder with dataset.pt and sids.npy (default: two levels above --model)"""
+    objective: str = "sequence"
+    """sequence (every item of a window is a target) | prompt (one target per instruction row)"""
+    softmax: str = "level"
+    """full | sid | level: normalize SID targets over the vocabulary, the SID tokens, or the target's level"""
     max_history: int = 20
-    """history items in each prompt"""
-    template: str = "User history: {history}\nNext item:"
-    """prompt template; {history} = the history's SID tokens (saved to sft_config.json for 06)"""
+    """history items before a target (sequence: windows of max_history + 1 items)"""
+    template: str = ""
+    """prompt template with {history} (default: 'User history: {history}', plus '\nNext item:' for prompt)"""
     aux_tasks: bool = False
     """mix in LC-Rec-style item text -> SID and SID -> item text examples"""
     aux_ratio: float = 0.25
-    """auxiliary examples per recommendation example (with --aux-tasks)"""
-    steps: int = 150
-    """optimizer steps (CPU demonstration default); ignored when --epochs > 0"""
+    """auxiliary examples per recommendation example (a window or an instruction row; with --aux-tasks)"""
+    steps: int = 400
+    """optimizer steps (the CPU default); ignored when --epochs > 0"""
     epochs: float = 0.0
     """passes over all examples (sets the number of steps; the GPU setting)"""
-    batch_size: int = 16
+    batch_size: int = 8
     """examples per micro-step, over all processes together"""
     grad_accum: int = 1
     """micro-steps per optimizer step"""
-    lr: float = 2e-4
+    lr: float = 5e-4
     """peak learning rate (AdamW)"""
     min_lr_frac: float = 0.1
     """cosine schedule ends at lr * min_lr_frac"""
-    warmup: int = 10
+    warmup: int = 20
     """linear warmup steps"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     clip: float = 1.0
     """gradient-norm clipping (0: off)"""
-    eval_every: int = 50
+    eval_every: int = 100
     """validation loss, best-model save and resume checkpoint every N steps"""
     val_examples: int = 256
     """validation examples (one per user, a fixed random subset; 0: all users)"""
@@ -116,7 +131,7 @@ class Args:
     device: str = "auto"
     """auto | cpu | cuda | mps"""
     dtype: str = "auto"
-    """auto (bfloat16 autocast on CUDA, float32 elsewhere) | float32 | bfloat16 (CUDA only)"""
+    """auto (bf16 autocast on CUDA and on CPUs with native bf16, else float32) | float32 | bfloat16; weights stay fp32"""
     seed: int = 0
     """seeds random, numpy, torch and the example order"""
 
@@ -155,6 +170,19 @@ def pick_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda", "mps"):
         die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
     return torch.device(name)
+
+
+def pick_autocast(name: str, device: torch.device):
+    """--dtype -> (autocast context, note). Weights, optimizer and the loss's softmax stay fp32; auto = bf16
+    autocast on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX: a training step of SmolLM2-135M ran
+    1.7x faster there), float32 elsewhere (emulated bf16 is slower than fp32)."""
+    if name not in ("auto", "float32", "bfloat16"):
+        die(f"unknown --dtype {name!r}; use auto|float32|bfloat16")
+    native = device.type == "cuda" or (device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported",
+                                                                         lambda: False)())
+    if name == "float32" or (name == "auto" and not native) or device.type == "mps":
+        return nullcontext(), "float32" + (" (this CPU has no native bf16)" if name == "auto" and not native else "")
+    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
 
 
 def seed_everything(seed: int):
@@ -229,16 +257,23 @@ def load_sid_model(model_dir: str, out_dir: str):
 
 # ---------------------------------------------------------------------------------------------------
 # Examples: (kind, a, b) triples, turned into token ids only when batched (97k ML-100K examples stay small)
-#   kind 0: recommendation, user a, target position b of the train part (history = the H items before b)
+#   kind 0: prompt objective, user a, target position b of the train part (history = the H items before b)
+#   kind 4: sequence objective, user a, the window of train items s[max(0, b-H-1):b] (targets: all but its first)
 #   kind 1: item text -> SID of item a        kind 2: SID of item a -> item text     (LC-Rec auxiliary)
-#   kind 3: validation, user a: history = the whole train part, target = the validation item
+#   kind 3: validation, user a: history = the last H train items, target = the validation item
 # ---------------------------------------------------------------------------------------------------
+TEMPLATES = {"sequence": "User history: {history}", "prompt": "User history: {history}\nNext item:"}
 AUX_TEMPLATES = {1: "Item: {text}\nSemantic ID:", 2: "Semantic ID: {sid}\nItem:"}
 
 
-def build_examples(train, num_items: int, aux_ratio: float, seed: int):
-    """train: the train parts only (s_u[:-2]); the validation / test items are not even passed in."""
-    rec = [(0, u, i) for u, s in enumerate(train) for i in range(1, len(s))]
+def build_examples(train, num_items: int, objective: str, max_history: int, aux_ratio: float, seed: int):
+    """train: the train parts only (s_u[:-2]); the validation / test items are not even passed in.
+    sequence: windows of <= H+1 items cut from the end of each train part with stride H, so every train
+    target (positions 1 .. n-1) is supervised exactly once per epoch, with the longest history at the end."""
+    if objective == "sequence":
+        rec = [(4, u, e) for u, s in enumerate(train) for e in range(len(s), 1, -max_history)]
+    else:
+        rec = [(0, u, i) for u, s in enumerate(train) for i in range(1, len(s))]
     aux = []
     if aux_ratio > 0:
         g = torch.Generator().manual_seed(seed)
@@ -248,62 +283,115 @@ def build_examples(train, num_items: int, aux_ratio: float, seed: int):
     return rec, aux
 
 
-class Encoder:
-    """Turns an example triple into (prompt ids, target ids); SID tokens are inserted as ids."""
+def check_template(template: str, objective: str):
+    if template.count("{history}") != 1:
+        die(f"--template {template!r} must contain {{history}} exactly once")
+    if objective == "sequence" and not template.endswith("{history}"):
+        die(f"--template {template!r}: with --objective sequence the next item's SID follows the history "
+            "directly, so the template must end with {history}")
 
-    def __init__(self, tok, template, item_tok, texts, data_seqs, valid, max_history):
-        if template.count("{history}") != 1:
-            die(f"--template {template!r} must contain {{history}} exactly once")
+
+class Encoder:
+    """Turns an example triple into (ids, is_target): token ids and a 0/1 flag per token (1 = supervised).
+    SID tokens are inserted as ids, so tokenization can never merge or split them."""
+
+    def __init__(self, tok, template, objective, item_tok, texts, data_seqs, valid, max_history):
+        check_template(template, objective)
         enc = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
         self.pre, self.post = map(enc, template.split("{history}"))
         self.aux = {k: [enc(x) for x in t.split("{text}" if k == 1 else "{sid}")] for k, t in AUX_TEMPLATES.items()}
         self.enc, self.item_tok, self.texts = enc, item_tok.tolist(), texts
         self.train, self.valid, self.H = data_seqs, valid, max_history
         self.eos = tok.eos_token_id
+        self.end = [] if objective == "sequence" else [self.eos]          # what follows a predicted SID
 
     def sid(self, items):
         return [t for i in items for t in self.item_tok[i]]
 
+    def prompt(self, history):
+        """The evaluation prompt for a history: 06_eval.py builds the same ids (tested)."""
+        return self.pre + self.sid(history[-self.H:]) + self.post
+
     def __call__(self, ex):
         kind, a, b = ex
+        if kind == 4:                                       # s[b-H-1:b]: loss on the SIDs of items 2..
+            w = self.train[a][max(0, b - self.H - 1):b]
+            first = len(self.pre) + len(self.item_tok[w[0]])
+            ids = self.pre + self.sid(w)
+            return ids, [0] * first + [1] * (len(ids) - first)
         if kind == 0:                                       # history s[b-H:b] -> s[b]
             s = self.train[a]
-            return self.pre + self.sid(s[max(0, b - self.H):b]) + self.post, self.sid([s[b]]) + [self.eos]
-        if kind == 3:                                       # history s[-H:] -> validation item
-            return self.pre + self.sid(self.train[a][-self.H:]) + self.post, self.sid([self.valid[a]]) + [self.eos]
-        text = self.enc(" " + self.texts[a])[:32]
-        pre, post = self.aux[kind]
-        if kind == 1:
-            return pre + text[1:] + post, self.sid([a]) + [self.eos]
-        return pre + self.sid([a]) + post, text + [self.eos]
+            prompt, target = self.prompt(s[:b]), self.sid([s[b]]) + self.end
+        elif kind == 3:                                     # history s[-H:] -> validation item
+            prompt, target = self.prompt(self.train[a]), self.sid([self.valid[a]]) + self.end
+        else:
+            text = self.enc(self.texts[a])[:32]
+            pre, post = self.aux[kind]
+            if kind == 1:
+                prompt, target = pre + text + post, self.sid([a]) + [self.eos]
+            else:
+                prompt, target = pre + self.sid([a]) + post, self.enc(" " + self.texts[a])[:32] + [self.eos]
+        return prompt + target, [0] * len(prompt) + [1] * len(target)
 
 
-def collate(pairs, pad_id: int):
-    """Left-pad prompt+target rows. Returns ids, mask, positions (B, T), labels (B, m), m = logits to keep."""
-    T = max(len(p) + len(t) for p, t in pairs)
-    m = max(len(t) for _, t in pairs) + 1                   # logits at T-m .. T-1 (the last one is unused)
-    ids = torch.full((len(pairs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(pairs), T, dtype=torch.long)
-    labels = torch.full((len(pairs), m), -100, dtype=torch.long)
-    for b, (p, t) in enumerate(pairs):
-        ids[b, T - len(p) - len(t):] = torch.tensor(p + t)
-        mask[b, T - len(p) - len(t):] = 1
-        labels[b, m - 1 - len(t):m - 1] = torch.tensor(t)   # the logit at position j predicts token j+1
+def collate(rows, pad_id: int):
+    """Left-pad (ids, is_target) rows. Returns ids, mask, positions, labels (B, T); labels[b, j] = ids[b, j+1]
+    where that token is supervised (the logit at position j predicts token j+1), else -100."""
+    T = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    labels = torch.full((len(rows), T), -100, dtype=torch.long)
+    for b, (x, t) in enumerate(rows):
+        x, t = torch.tensor(x), torch.tensor(t, dtype=torch.bool)
+        ids[b, T - len(x):], mask[b, T - len(x):] = x, 1
+        labels[b, T - len(x):T - 1] = x[1:].masked_fill(~t[1:], -100)   # token j+1 at position j
     pos = (mask.cumsum(1) - 1).clamp(min=0)                 # positions ignore the left pad
     return ids, mask, pos, labels
 
 
-def batch_loss(model, batch, device, ctx):
-    """Summed CE over target tokens, their count, and hits (B, m): argmax == label at each target position.
-    The LM head runs on the last m positions only."""
-    ids, mask, pos, labels = (x.to(device) for x in batch)
-    with ctx:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
-                       logits_to_keep=labels.shape[1]).logits                  # (B, m, V)
-    logits = logits.float()
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-    hits = (logits.argmax(-1) == labels) & (labels != -100)                     # (B, m)
-    return loss, (labels != -100).sum(), hits
+# ---------------------------------------------------------------------------------------------------
+# The loss: the LM body on every position, the head only on the supervised ones, over the --softmax set
+#   full:  log p(y) = z_y - logsumexp_{v in V} z_v                      (the whole vocabulary)
+#   sid:   log p(y) = z_y - logsumexp_{v in SID tokens} z_v             (SID targets; others as full)
+#   level: log p(y) = z_y - logsumexp_{v in level(y)} z_v               (the codes of the target's level)
+# 06_eval.py scores with the same softmax (sft_config.json), so training and ranking agree.
+# ---------------------------------------------------------------------------------------------------
+class SIDLoss(torch.nn.Module):
+    """The causal LM and its loss in one module, so DistributedDataParallel wraps the whole computation."""
+
+    def __init__(self, lm, softmax: str, level_tok):
+        super().__init__()
+        self.lm, self.softmax = lm, softmax
+        cols = torch.cat([t[t >= 0] for t in level_tok])                              # (C,) SID token ids
+        level = torch.cat([torch.full((int((t >= 0).sum()),), l) for l, t in enumerate(level_tok)])
+        col_of = torch.full((lm.get_output_embeddings().weight.shape[0],), -1, dtype=torch.long)
+        col_of[cols] = torch.arange(len(cols))
+        self.register_buffer("cols", cols, persistent=False)
+        self.register_buffer("level", level, persistent=False)                        # (C,) level of column
+        self.register_buffer("col_of", col_of, persistent=False)                      # (V,) token -> column
+
+    def forward(self, ids, mask, pos, labels):
+        """Summed CE over the supervised tokens, and hits (N,): argmax == label, in row-major order."""
+        h = self.lm.base_model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                               use_cache=False).last_hidden_state                     # (B, T, d)
+        sel = labels != -100
+        h, y = h[sel], labels[sel]                                                    # (N, d), (N,)
+        head = self.lm.get_output_embeddings()
+        col = self.col_of[y]                                                          # (N,) -1: not a SID
+        sub = col >= 0 if self.softmax != "full" else torch.zeros_like(col, dtype=torch.bool)
+        loss, hits = h.new_zeros((), dtype=torch.float32), torch.zeros_like(y, dtype=torch.bool)
+        if (~sub).any():                                                              # full vocabulary
+            z = head(h[~sub]).float()                                                 # (N1, V)
+            loss = loss + F.cross_entropy(z, y[~sub], reduction="sum")
+            hits[~sub] = z.argmax(-1) == y[~sub]
+        if sub.any():                                                                 # SID columns only
+            b = head.bias[self.cols] if head.bias is not None else None
+            z = F.linear(h[sub], head.weight[self.cols], b).float()                   # (N2, C)
+            if self.softmax == "level":                                               # other levels: -inf
+                z = z.masked_fill(self.level[None, :] != self.level[col[sub]][:, None], -math.inf)
+            loss = loss + F.cross_entropy(z, col[sub], reduction="sum")
+            hits[sub] = z.argmax(-1) == col[sub]
+        return loss, hits
 
 
 def stream_batch(n: int, offset: int, size: int, seed: int, perms: dict):
@@ -318,12 +406,46 @@ def stream_batch(n: int, offset: int, size: int, seed: int, perms: dict):
     return out
 
 
+def lr_lambda(args, total):
+    def f(step):                                            # multiplier of args.lr at optimizer step `step`
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        p = (step - args.warmup) / max(1, total - args.warmup)
+        return args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
+    return f
+
+
+@torch.no_grad()
+def validate(model, val_rows, batch_size, pad_id, device, ctx, K, rank=0, world=1):
+    """Validation loss, token accuracy, and accuracy per target position (the K tokens every validation
+    target has: SID levels [+ eos]), summed over all processes."""
+    model.eval()
+    tot = torch.zeros(3 + K, dtype=torch.float64, device=device)
+    mine = val_rows[rank::world]
+    for s in range(0, len(mine), batch_size):
+        ids, mask, pos, labels = (x.to(device) for x in collate(mine[s:s + batch_size], pad_id))
+        with ctx:
+            loss, hits = model(ids, mask, pos, labels)
+        per_pos = hits.view(-1, K).sum(0)                                     # every row has K targets  (K,)
+        n = torch.tensor(float(len(hits)), dtype=torch.float64, device=device)
+        tot += torch.cat([torch.stack([loss.double(), n, hits.sum().double()]), per_pos.double()])
+    if world > 1:
+        dist.all_reduce(tot)
+    model.train()
+    return (tot[0] / tot[1]).item(), (tot[2] / tot[1]).item(), (tot[3:] / (tot[1] / K)).tolist()
+
+
 # ---------------------------------------------------------------------------------------------------
 # Saving: the unwrapped model as an HF folder (atomic swap), the resumable training state
 # ---------------------------------------------------------------------------------------------------
 def save_folder(dst, model, tok, extra: dict):
+    """save_pretrained into <dst>.tmp, then swap it in. A kill at any line leaves <dst> or <dst>.old whole;
+    the next call clears both leftovers first."""
     tmp, old = f"{dst}.tmp", f"{dst}.old"
     shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
+        os.replace(old, dst)
+    shutil.rmtree(old, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     for name, obj in extra.items():
@@ -335,20 +457,18 @@ def save_folder(dst, model, tok, extra: dict):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def lr_lambda(args, total):
-    def f(step):                                            # multiplier of args.lr at optimizer step `step`
-        if step < args.warmup:
-            return (step + 1) / args.warmup
-        p = (step - args.warmup) / max(1, total - args.warmup)
-        return args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
-    return f
-
-
 # ---------------------------------------------------------------------------------------------------
-# Main: setup (DDP or not) -> data -> loop (accumulate, clip, step, log, validate, checkpoint) -> save
+# Main: setup (DDP or not) -> data -> model/optimizer -> loop (accumulate, clip, step, log, validate) -> save
 # ---------------------------------------------------------------------------------------------------
 def main():
     args = parse_args()
+    for name in ("steps", "batch_size", "grad_accum", "eval_every", "log_every", "max_history"):
+        if getattr(args, name) < 1:
+            die(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.val_examples < 0 or args.epochs < 0 or args.lr <= 0:
+        die("--val-examples, --epochs must be >= 0 and --lr > 0")
+    if args.objective not in TEMPLATES or args.softmax not in ("full", "sid", "level"):
+        die(f"--objective {args.objective} --softmax {args.softmax}: use sequence|prompt and full|sid|level")
     ddp = int(os.environ.get("RANK", -1)) != -1                       # launched by torchrun?
     if ddp:
         use_cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
@@ -363,39 +483,44 @@ def main():
     log = print if master else (lambda *a, **k: None)
     if args.batch_size % world:
         die(f"--batch-size {args.batch_size} must be divisible by the {world} processes")
-    if args.dtype not in ("auto", "float32", "bfloat16") or (args.dtype == "bfloat16" and device.type != "cuda"):
-        die(f"--dtype {args.dtype}: use auto|float32, or bfloat16 on CUDA")
-    bf16 = device.type == "cuda" and args.dtype in ("auto", "bfloat16")
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext()
+    ctx, dtype_note = pick_autocast(args.dtype, device)
     save = args.save or args.model.rstrip("/") + "+sft"
     ckpt_path = f"{save}.resume.pt"
     out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
     if args.resume and not os.path.exists(ckpt_path):
         die(f"--resume: {ckpt_path} not found (a finished run removes it); run without --resume")
     seed_everything(args.seed)
-    log(f"device {device}  world {world}  autocast {'bfloat16' if bf16 else 'off (float32)'}  model {args.model}")
+    template = args.template or TEMPLATES[args.objective]
+    check_template(template, args.objective)
+    log(f"device {device}  world {world}  {dtype_note}  model {args.model}")
 
-    # --- data ---
+    # --- data: training examples (train parts only), validation rows (one per user) ---
     model, tok, vocab, data, item_tok = load_sid_model(args.model, out_dir)
     train, valid = data["train"], data["valid"].tolist()
-    rec, aux = build_examples(train, len(item_tok), args.aux_ratio if args.aux_tasks else 0.0, args.seed)
+    rec, aux = build_examples(train, len(item_tok), args.objective, args.max_history,
+                              args.aux_ratio if args.aux_tasks else 0.0, args.seed)
     examples = rec + aux
     if not rec:
         die(f"{out_dir}/dataset.pt has no training positions (train parts shorter than 2 items)")
-    encode = Encoder(tok, args.template, item_tok, data["texts"], train, valid, args.max_history)
+    encode = Encoder(tok, template, args.objective, item_tok, data["texts"], train, valid, args.max_history)
     users = [u for u in range(len(train)) if len(train[u]) > 0]
     if args.val_examples and args.val_examples < len(users):
         g = torch.Generator().manual_seed(args.seed)
-        users = sorted(torch.randperm(len(users), generator=g)[:args.val_examples].tolist())
-    val = [(3, u, 0) for u in users]
+        users = sorted(users[i] for i in torch.randperm(len(users), generator=g)[:args.val_examples].tolist())
+    val_rows = [encode((3, u, 0)) for u in users]
+    positions = vocab["level_names"] + ([] if args.objective == "sequence" else ["eos"])   # tokens per target
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     per_step = args.batch_size * args.grad_accum
     total = math.ceil(args.epochs * len(examples) / per_step) if args.epochs > 0 else args.steps
-    log(f"examples {len(rec)} recommendation + {len(aux)} auxiliary, val {len(val)}  "
+    targets = sum(len(s) - 1 for s in train if len(s) > 1)
+    log(f"objective {args.objective}  softmax {args.softmax}  examples {len(rec)} recommendation "
+        f"({targets} target items) + {len(aux)} auxiliary, val {len(val_rows)}  "
         f"steps {total} x {per_step} examples ({total * per_step / len(examples):.2f} epochs)")
 
     # --- model, optimizer, schedule, resume ---
     model.to(device)
+    level_tok = [torch.tensor(t) for t in vocab["token_ids"]]
+    loss_model = SIDLoss(model, args.softmax, level_tok).to(device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -404,8 +529,9 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, total))
     state = {"step": 0, "best_val": float("inf"), "best_step": -1, "loss_curve": [], "val_curve": [],
              "val_level_acc": [], "seconds": 0.0}
-    keep = ("model", "template", "max_history", "aux_tasks", "aux_ratio", "steps", "epochs", "batch_size",
-            "grad_accum", "lr", "min_lr_frac", "warmup", "weight_decay", "clip", "eval_every", "val_examples", "seed")
+    keep = ("model", "objective", "softmax", "template", "max_history", "aux_tasks", "aux_ratio", "steps",
+            "epochs", "batch_size", "grad_accum", "lr", "min_lr_frac", "warmup", "weight_decay", "clip",
+            "eval_every", "val_examples", "dtype", "seed")
     if args.resume:
         ck = load_pt(ckpt_path, "rerun without --resume")
         diff = [k for k in keep if ck["args"].get(k) != getattr(args, k)]
@@ -420,47 +546,27 @@ def main():
             torch.cuda.set_rng_state(ck["cuda_rng"], device)
         state = ck["state"]
         log(f"resumed from {ckpt_path} at step {state['step']}")
-    raw = model
-    if ddp:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    sft_config = {"template": args.template, "max_history": args.max_history, "item_separator": "",
-                  "target": "SID tokens + eos", "aux_tasks": args.aux_tasks, "aux_templates": AUX_TEMPLATES}
-
-    positions = vocab["level_names"] + ["eos"]                          # the target tokens of every val example
-
-    def evaluate():
-        """Validation loss, next-token accuracy over the target tokens and per target position (SID levels, eos),
-        summed over all processes. Every validation target is one item's SID + eos: K = L+2 tokens."""
-        model.eval()
-        K = len(positions)
-        tot = torch.zeros(3 + K, dtype=torch.float64, device=device)
-        mine = val[rank::world]
-        with torch.no_grad():
-            for s in range(0, len(mine), args.batch_size // world):
-                loss, n, hits = batch_loss(model, collate([encode(e) for e in mine[s:s + args.batch_size // world]],
-                                                          pad_id), device, ctx)
-                per_pos = hits[:, -1 - K:-1].sum(0)                     # labels are right-aligned      (K,)
-                tot += torch.cat([torch.stack([loss.double(), n.double(), hits.sum().double()]), per_pos.double()])
-        if ddp:
-            dist.all_reduce(tot)
-        model.train()
-        return (tot[0] / tot[1]).item(), (tot[2] / tot[1]).item(), (tot[3:] / (tot[1] / K)).tolist()
+    train_model = DDP(loss_model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else loss_model
+    sft_config = {"objective": args.objective, "template": template, "max_history": args.max_history,
+                  "softmax": args.softmax, "target": "SID tokens" + ("" if args.objective == "sequence" else " + eos"),
+                  "aux_tasks": args.aux_tasks, "aux_templates": AUX_TEMPLATES}
 
     def checkpoint(step):
         """Validate; save the best model (HF folder) and the resumable state. Rank 0 writes."""
-        vloss, vacc, vpos = evaluate()
+        vloss, vacc, vpos = validate(train_model, val_rows, args.batch_size // world, pad_id, device, ctx,
+                                     len(positions), rank, world)
         state["val_curve"].append([step, round(vloss, 5), round(vacc, 5)])
-        state.setdefault("val_level_acc", []).append([step, [round(x, 4) for x in vpos]])
+        state["val_level_acc"].append([step, [round(x, 4) for x in vpos]])
         better = vloss < state["best_val"]
         if better:
             state["best_val"], state["best_step"] = vloss, step
             if master:
-                save_folder(save, raw, tok, {"sid_vocab.json": vocab, "sft_config.json": sft_config})
+                save_folder(save, model, tok, {"sid_vocab.json": vocab, "sft_config.json": sft_config})
         log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f} ("
             + " ".join(f"{n} {x:.2f}" for n, x in zip(positions, vpos)) + ")"
             + (" | best, saved" if better else ""))
         if master and args.resumable and 0 < step < total:              # the last step needs no resume state
-            ck = {"model": raw.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            ck = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                   "rng": torch.get_rng_state(), "state": state, "examples": len(examples), "world": world,
                   "args": {k: getattr(args, k) for k in keep}}
             if device.type == "cuda":
@@ -469,31 +575,35 @@ def main():
         if ddp:
             dist.barrier()
 
-    # --- loop ---
+    # --- loop: each micro-batch is a slice of the seeded example stream; this rank takes its share ---
     if state["step"] == 0:
         checkpoint(0)                                                   # the initial model's val loss
-    model.train()
+    train_model.train()
     perms, local = {}, args.batch_size // world
-    t_start, t_log, steps_here = time.time(), time.time(), 0
+    t_start, t_log = time.time(), time.time()
     for step in range(state["step"], total):
-        tot = torch.zeros(2, dtype=torch.float64, device=device)
-        for micro in range(args.grad_accum):
-            offset = (step * args.grad_accum + micro) * args.batch_size + rank * local
-            batch = collate([encode(examples[i]) for i in stream_batch(len(examples), offset, local, args.seed, perms)],
-                            pad_id)
-            sync = not ddp or micro == args.grad_accum - 1
-            with (nullcontext() if sync else model.no_sync()):
-                loss, n, _ = batch_loss(model, batch, device, ctx)
-                (loss / n / args.grad_accum).backward()                 # mean over this micro-batch's targets
-            tot += torch.stack([loss.detach().double(), n.double()])
+        batches = [collate([encode(examples[i]) for i in stream_batch(
+            len(examples), (step * args.grad_accum + micro) * args.batch_size + rank * local, local, args.seed, perms)],
+            pad_id) for micro in range(args.grad_accum)]
+        n = torch.tensor([float(sum(int((b[3] != -100).sum()) for b in batches))], device=device)
+        tot = torch.zeros(1, dtype=torch.float64, device=device)         # summed loss of this step
+        if ddp:
+            dist.all_reduce(n)                                          # target tokens of the step, all processes
+        for micro, batch in enumerate(batches):
+            ids, mask, pos, labels = (x.to(device) for x in batch)
+            with (nullcontext() if not ddp or micro == args.grad_accum - 1 else train_model.no_sync()):
+                with ctx:
+                    loss, _ = train_model(ids, mask, pos, labels)
+                (loss * world / n[0]).backward()    # DDP averages over processes: = sum / all targets of the step
+            tot += loss.detach().double()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         if ddp:
             dist.all_reduce(tot)
-        state["loss_curve"].append([step + 1, round((tot[0] / tot[1]).item(), 5)])
-        state["step"], steps_here = step + 1, steps_here + 1
+        state["loss_curve"].append([step + 1, round((tot[0] / n[0]).item(), 5)])
+        state["step"] = step + 1
         if (step + 1) % args.log_every == 0 or step + 1 == total:
             ms = 1000 * (time.time() - t_log) / ((step + 1) % args.log_every or args.log_every)
             log(f"step {step + 1}/{total} | loss {state['loss_curve'][-1][1]:.4f} | "
@@ -502,7 +612,7 @@ def main():
         if (step + 1) % args.eval_every == 0 or step + 1 == total:
             state["seconds"] += time.time() - t_start
             checkpoint(step + 1)
-            t_start = time.time()
+            t_start = t_log = time.time()
         if args.stop_at and step + 1 == args.stop_at:
             log(f"stopped after step {step + 1} (--stop-at); continue with --resume")
             if ddp:
@@ -511,12 +621,12 @@ def main():
 
     # --- summary ---
     summary = {"loss_curve": state["loss_curve"], "val_curve": state["val_curve"], "best_step": state["best_step"],
-               "val_level_acc": state.get("val_level_acc", []), "val_level_names": positions,
-               "best_val_loss": state["best_val"], "steps": total, "examples": len(rec), "aux_examples": len(aux),
-               "val_examples": len(val), "world_size": world, "batch_size": args.batch_size,
-               "grad_accum": args.grad_accum, "seconds": round(state["seconds"], 1),
+               "val_level_acc": state["val_level_acc"], "val_level_names": positions,
+               "best_val_loss": state["best_val"], "steps": total, "examples": len(rec), "target_items": targets,
+               "aux_examples": len(aux), "val_examples": len(val_rows), "world_size": world,
+               "batch_size": args.batch_size, "grad_accum": args.grad_accum, "seconds": round(state["seconds"], 1),
                "s_per_step": round(state["seconds"] / max(1, total), 3), "device": str(device),
-               "bf16": bf16, "args": vars(args)}
+               "autocast": dtype_note, "args": vars(args)}
     if master:
         if not os.path.isdir(save):
             die(f"no checkpoint was saved to {save} (validation loss never finite)")

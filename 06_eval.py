@@ -5,7 +5,8 @@ GTI, Chen et al. 2026, sec. 5; centroid init, Loveland et al. 2026, sec. 5): lea
 over all items by beam search restricted to valid SIDs (a prefix trie), Recall@K (= HR@K, one target)
 and NDCG@K.
 
-    score(item) = sum_l log p(c_l | prompt, c_<l)        log-probs over the full vocabulary
+    score(item) = sum_l log p(c_l | prompt, c_<l)    normalized as 05 trained (sft_config.json "softmax":
+                  full = over the vocabulary, sid = over the SID tokens, level = over the level's codes)
     beam step:  keep the B best (prefix, code) pairs with trie[prefix, code] valid; invalid -> -inf
     Recall@K = 1[rank <= K]        NDCG@K = 1[rank <= K] / log2(rank + 1)       (rank is 1-based)
 
@@ -13,21 +14,29 @@ The search prefills each prompt once, copies its KV cache to the B beams (cache.
 then runs one forward per later SID level over users x beams, reordering the cache to the surviving
 beams (cache.reorder_cache). `generate(num_beams=B)` instead runs every prompt B times (bench/beam_search.py
 measures both). Duplicates are impossible: each beam is a distinct trie node and each child is distinct.
+Beam search is an approximate top-K: a prefix pruned at an early level can hold an item that scores higher
+than the B items kept (with B = number of items it is exhaustive; the tests check that case).
 
-Prompt: the template in <model>/sft_config.json (written by 05; the same default as 05 when absent) over
-the last --max-history items. Test split: history = sequence[:-1] (train part + validation item), target
-= last item; --split valid: history = train part, target = validation item. History items are NOT
-excluded from the ranking, for the model and the most-popular baseline alike (keep it simple, identical).
-Cold targets: items seen <= --cold-max times in the train parts.
+Protocols: --exclude-history (default) ranks only items the user has not seen, for the model (inside the
+search: a trie node whose items were all seen is pruned at its level, so it never takes a beam slot) and
+for most-popular alike: the RecBole full-sort protocol. --no-exclude-history ranks every item (the
+TIGER-style protocol of the Amazon Beauty papers). Every output says which protocol made it.
+Prompt: the template in <model>/sft_config.json (written by 05; 05's prompt-objective default when absent)
+over the last --max-history items. Test split: history = sequence[:-1] (train part + validation item),
+target = last item; --split valid: history = train part, target = validation item. Cold targets: items
+seen <= --cold-max times in the train parts. model - most-popular differences come with a paired bootstrap
+95% interval over users. When baselines/sasrec.py has scored the same users, its row is printed too.
 
-Reads:  <model>/ (HF folder + sid_vocab.json [+ sft_config.json]), <out-dir>/dataset.pt, sids.npy.
-        Default --out-dir: the folder two levels above --model (<out-dir>/models/<name>).
-Writes: <model>/eval_<split>.json (metrics, cold metrics + count, most-popular baseline, seconds),
-        <model>/eval_<split>_topk.npy (int64 [U, beam], item indices best first; -1 = no more valid SIDs).
+Reads:  <model>/ (HF folder + sid_vocab.json [+ sft_config.json]), <out-dir>/dataset.pt, sids.npy,
+        [<out-dir>/sasrec/eval_<split>.json]. Default --out-dir: two levels above --model.
+Writes: <model>/eval_<split>.json (history excluded) or eval_<split>_keep.json (history kept): metrics,
+        cold metrics + count, most-popular, bootstrap intervals, seconds; beside it <name>_topk.npy
+        (int64 [U, beam], item indices best first; -1 = no more valid SIDs).
 
-CPU:  python 06_eval.py --model out/ml-100k/models/centroid+sft                (943 users, beam 20)
-GPU:  python 06_eval.py --model out/ml-100k/models/centroid+sft --device cuda --batch-size 128
-Good run prints a markdown table: model vs most-popular, all users and cold targets.
+CPU:  python 06_eval.py --model out/ml-100k/models/centroid+gti+sft                (943 users, beam 20)
+      python 06_eval.py --model out/ml-100k/models/centroid+gti+sft --no-exclude-history
+GPU:  python 06_eval.py --model out/ml-100k/models/centroid+gti+sft --device cuda --batch-size 128
+Good run prints a markdown table: model vs most-popular (vs SASRec), all users and cold targets.
 """
 # ---------------------------------------------------------------------------------------------------
 # Shared boilerplate: COPY this block into each numbered script (no imports between numbered scripts;
@@ -53,13 +62,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 import math  # noqa: E402  (step-specific imports)
+from contextlib import nullcontext  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
 
 from tqdm import tqdm  # noqa: E402
 
 
 @dataclass
 class Args:
-    model: str = "out/ml-100k/models/centroid+sft"
+    model: str = "out/ml-100k/models/centroid+gti+sft"
     """model folder (05_sft.py output; any 03/04 folder works too)"""
     out_dir: str = ""
     """artifacts folder with dataset.pt and sids.npy (default: two levels above --model)"""
@@ -77,8 +89,12 @@ class Args:
     """evaluate only the first N users (0: all)"""
     device: str = "auto"
     """auto | cpu | cuda | mps"""
+    exclude_history: bool = True
+    """rank only items the user has not seen (RecBole full-sort protocol; in the search for the model, and for
+    most-popular); --no-exclude-history keeps them (the TIGER-style protocol of the Amazon papers)"""
     dtype: str = "auto"
-    """auto (bfloat16 on CUDA, float32 elsewhere) | float32 | bfloat16"""
+    """auto (bf16 autocast of the LM body on CUDA and on CPUs with native bf16) | float32 | bfloat16;
+    weights, head and log-softmax stay fp32"""
     seed: int = 0
     """seeds random, numpy and torch"""
 
@@ -119,6 +135,19 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def pick_autocast(name: str, device: torch.device):
+    """--dtype -> (autocast context, note). Weights, optimizer and the loss's softmax stay fp32; auto = bf16
+    autocast on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX: a training step of SmolLM2-135M ran
+    1.7x faster there), float32 elsewhere (emulated bf16 is slower than fp32)."""
+    if name not in ("auto", "float32", "bfloat16"):
+        die(f"unknown --dtype {name!r}; use auto|float32|bfloat16")
+    native = device.type == "cuda" or (device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported",
+                                                                         lambda: False)())
+    if name == "float32" or (name == "auto" and not native) or device.type == "mps":
+        return nullcontext(), "float32" + (" (this CPU has no native bf16)" if name == "auto" and not native else "")
+    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
+
+
 def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed)
@@ -153,10 +182,10 @@ def load_pt(path: str, hint: str):
 # ---------------------------------------------------------------------------------------------------
 # Inputs: the model folder, its SID vocabulary, and the dataset it must match
 # ---------------------------------------------------------------------------------------------------
-DEFAULT_TEMPLATE = "User history: {history}\nNext item:"   # identical to 05_sft.py's default
+DEFAULT_TEMPLATE = "User history: {history}\nNext item:"   # 05_sft.py's prompt-objective default
 
 
-def load_sid_model(model_dir: str, out_dir: str, device, dtype):
+def load_sid_model(model_dir: str, out_dir: str, device):
     """Load model + tokenizer + sid_vocab.json and check they match <out-dir>'s dataset.pt / sids.npy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     vocab_path = os.path.join(model_dir, "sid_vocab.json")
@@ -188,7 +217,7 @@ def load_sid_model(model_dir: str, out_dir: str, device, dtype):
     if names != [t for s in expect for t in s.replace("><", ">\n<").split("\n")]:
         die(f"{model_dir}: the tokenizer does not hold the SID tokens listed in sid_vocab.json; "
             "rebuild the folder with 03_expand_vocab.py")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     if model.get_input_embeddings().num_embeddings <= int(item_tok.max()):
         die(f"{model_dir}: embedding matrix smaller than the SID token ids; rebuild it with 03_expand_vocab.py")
     cfg_path = os.path.join(model_dir, "sft_config.json")
@@ -230,6 +259,60 @@ def build_trie(codes: np.ndarray, sizes):
     return nxt
 
 
+def trie_paths(codes: np.ndarray, nxt):
+    """paths[l][i] = the node item i passes through after l+1 codes (its own index at the last level)."""
+    node, paths = torch.zeros(len(codes), dtype=torch.long), []
+    for l, table in enumerate(nxt):
+        node = table[node, torch.from_numpy(codes[:, l])]
+        paths.append(node)
+    return paths
+
+
+def unseen_masks(paths, histories):
+    """History exclusion inside the search: alive[l][b, node] = node still leads to an item user b has not
+    seen (at the last level: the item itself is unseen). A prefix whose items were all seen is pruned
+    where it stands, so it never takes a beam slot. Returns a list of (B, nodes_{l+1}) bool tensors."""
+    alive = []
+    for path in paths:
+        total = torch.bincount(path, minlength=int(path.max()) + 1)                    # items under each node
+        seen = torch.zeros(len(histories), len(total), dtype=torch.long)
+        for b, h in enumerate(histories):
+            seen[b].index_add_(0, path[torch.tensor(sorted(set(h)), dtype=torch.long)],
+                               torch.ones(len(set(h)), dtype=torch.long))
+        alive.append(seen < total)
+    return alive
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scores of one SID level from the LM's last hidden state, normalized as 05 trained (sft_config softmax)
+#   full: log_softmax over the vocabulary; sid: over all SID tokens; level: over the level's codes
+# ---------------------------------------------------------------------------------------------------
+class LevelScorer:
+    def __init__(self, model, token_ids, softmax: str):
+        self.head, self.softmax = model.get_output_embeddings(), softmax
+        dev = self.head.weight.device
+        self.tok = [torch.tensor(t, device=dev) for t in token_ids]                    # (K_l,) -1 = unused
+        self.cols = torch.cat([t[t >= 0] for t in self.tok])                           # (C,) SID token ids
+        col_of = torch.full((self.head.weight.shape[0],), -1, dtype=torch.long, device=dev)
+        col_of[self.cols] = torch.arange(len(self.cols), device=dev)
+        self.col = [torch.where(t >= 0, col_of[t.clamp(min=0)], -1) for t in self.tok]  # (K_l,) column
+
+    def logits(self, h, ids):
+        b = self.head.bias[ids] if self.head.bias is not None else None
+        return F.linear(h.float(), self.head.weight[ids].float(), None if b is None else b.float())
+
+    def __call__(self, h, l):
+        """h: (R, d) last hidden states -> (R, K_l) log p(code | prefix) in fp32; unused codes -inf."""
+        tok = self.tok[l]
+        if self.softmax == "full":
+            lp = self.head(h.float()).float().log_softmax(-1)[:, tok.clamp(min=0)]
+        elif self.softmax == "sid":
+            lp = self.logits(h, self.cols).log_softmax(-1)[:, self.col[l].clamp(min=0)]
+        else:
+            lp = self.logits(h, tok.clamp(min=0)).masked_fill(tok < 0, -math.inf).log_softmax(-1)
+        return lp.masked_fill(tok < 0, -math.inf)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Batched constrained beam search: one prefill per prompt, one forward per later level over users x beams
 # ---------------------------------------------------------------------------------------------------
@@ -244,30 +327,35 @@ def left_pad(prompts, pad_id, device):
 
 
 @torch.no_grad()
-def beam_search(model, prompts, level_tok, nxt, beam: int, pad_id: int):
-    """prompts: list of B token-id lists; level_tok[l]: (K_l,) token id of code k (any id where unused);
-    nxt: build_trie's tables. Returns items (B, beam) best first (-1: fewer valid SIDs) and their scores."""
-    dev = model.device
+def beam_search(model, prompts, scorer, nxt, beam: int, pad_id: int, alive=None, ctx=nullcontext()):
+    """prompts: list of B token-id lists; scorer: LevelScorer; nxt: build_trie's tables; alive: optional
+    unseen_masks (history exclusion). The LM body may run under autocast (ctx); the head and the
+    log-softmax run in fp32. Returns items (B, beam) best first (-1: fewer valid SIDs) and their scores."""
+    dev, body = model.device, model.base_model
     ids, mask = left_pad(prompts, pad_id, dev)                               # (B, P)
     B = ids.shape[0]
     pos = (mask.cumsum(1) - 1).clamp(min=0)                                  # positions ignore the left pad
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache, logp = out.cache, out.logits[:, -1].float().log_softmax(-1)   # (B, V)
+    with ctx:
+        out = body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    cache, h = out.cache, out.last_hidden_state[:, -1]                       # (B, d)
     first = mask.sum(1, keepdim=True)                                        # (B, 1) position of SID token 0
     scores = torch.zeros(B, 1, device=dev)                                   # (B, nb) summed log-probs
     nodes = torch.zeros(B, 1, dtype=torch.long, device=dev)                  # (B, nb) trie node per beam
-    for l, (tok_l, nxt_l) in enumerate(zip(level_tok, nxt)):
-        K, nb = len(tok_l), nodes.shape[1]
-        lp = logp[:, tok_l.to(dev)].view(B, nb, K)                           # (B, nb, K) log p(code | prefix)
+    for l, nxt_l in enumerate(nxt):
+        K, nb = nxt_l.shape[1], nodes.shape[1]
+        lp = scorer(h, l).view(B, nb, K)                                     # (B, nb, K) log p(code | prefix)
         child = nxt_l.to(dev)[nodes.clamp(min=0)]                            # (B, nb, K)
         child = child.masked_fill(nodes[..., None] < 0, -1)
-        cand = (scores[..., None] + lp).masked_fill(child < 0, -math.inf).view(B, nb * K)
+        dead = child < 0
+        if alive is not None:                                                # every item below already seen
+            dead |= ~alive[l].to(dev).gather(1, child.clamp(min=0).view(B, -1)).view(B, nb, K)
+        cand = (scores[..., None] + lp).masked_fill(dead, -math.inf).view(B, nb * K)
         if nb * K < beam:                                                    # fewer candidates than beams
             cand = torch.cat([cand, cand.new_full((B, beam - nb * K), -math.inf)], 1)
         scores, idx = cand.topk(beam, dim=1)                                 # (B, beam) sorted best first
         idx = idx.clamp(max=nb * K - 1)
         nodes = child.view(B, nb * K).gather(1, idx).masked_fill(scores == -math.inf, -1)
-        if l == len(level_tok) - 1:
+        if l == len(nxt) - 1:
             break
         if l == 0:
             cache.batch_repeat_interleave(beam)                              # (B, ...) -> (B*beam, ...)
@@ -276,39 +364,67 @@ def beam_search(model, prompts, level_tok, nxt, beam: int, pad_id: int):
         else:                                                                # beam b continues parent idx // K
             parent = torch.arange(B, device=dev)[:, None] * nb + idx // K    # (B, beam) rows of the cache
             cache.reorder_cache(parent.view(-1))
-        token = tok_l.to(dev)[idx % K].view(B * beam, 1)                     # (B*beam, 1) chosen SID token
+        token = scorer.tok[l].clamp(min=0)[idx % K].view(B * beam, 1)        # (B*beam, 1) chosen SID token
         mask = torch.cat([mask, mask.new_ones(B * beam, 1)], 1)
-        out = model(input_ids=token, attention_mask=mask, position_ids=first + l, cache=cache,
-                    use_cache=True)
-        logp = out.logits[:, -1].float().log_softmax(-1)                     # (B*beam, V)
+        with ctx:
+            out = body(input_ids=token, attention_mask=mask, position_ids=first + l, cache=cache, use_cache=True)
+        h = out.last_hidden_state[:, -1]                                     # (B*beam, d)
     return nodes, scores
 
 
-def rank_all(model, prompts, level_tok, nxt, beam, pad_id, batch_size, progress=True):
-    """Beam search over all prompts in batches of similar length; returns (U, beam) items and scores."""
+def rank_all(model, prompts, scorer, nxt, beam, pad_id, batch_size, histories=None, paths=None,
+             ctx=nullcontext(), progress=True):
+    """Beam search over all prompts in batches of similar length; returns (U, beam) items and scores.
+    With histories (and paths = trie_paths), each user's seen items are excluded inside the search."""
     order = sorted(range(len(prompts)), key=lambda u: len(prompts[u]))
     items = torch.full((len(prompts), beam), -1, dtype=torch.long)
     scores = torch.full((len(prompts), beam), -math.inf)
     for s in tqdm(range(0, len(order), batch_size), desc="beam search", leave=False, disable=not progress):
         us = order[s:s + batch_size]
-        it, sc = beam_search(model, [prompts[u] for u in us], level_tok, nxt, beam, pad_id)
+        alive = unseen_masks(paths, [histories[u] for u in us]) if histories is not None else None
+        it, sc = beam_search(model, [prompts[u] for u in us], scorer, nxt, beam, pad_id, alive, ctx)
         items[us], scores[us] = it.cpu(), sc.cpu()
     return items, scores
 
 
 # ---------------------------------------------------------------------------------------------------
-# Metrics
+# Metrics, the most-popular baseline, paired bootstrap intervals
 # ---------------------------------------------------------------------------------------------------
 def rank_metrics(topk: np.ndarray, targets: np.ndarray, ks=(1, 5, 10, 20), ndcg_ks=(5, 10, 20)) -> dict:
     """topk: (U, K) item indices best first; targets: (U,). Recall@k, NDCG@k averaged over users."""
+    return {k: float(v.mean()) if len(v) else 0.0 for k, v in per_user_metrics(topk, targets, ks, ndcg_ks).items()}
+
+
+def per_user_metrics(topk, targets, ks=(1, 5, 10, 20), ndcg_ks=(5, 10, 20)) -> dict:
+    """Recall@k = 1[rank <= k], NDCG@k = 1[rank <= k] / log2(rank + 1) per user (rank 1-based): {name: (U,)}."""
     hit = topk == targets[:, None]                                           # (U, K)
     rank = np.where(hit.any(1), hit.argmax(1), np.iinfo(np.int64).max)      # 0-based rank, max = absent
-    out = {f"recall@{k}": float(np.mean(rank < k)) if len(rank) else 0.0 for k in ks if k <= topk.shape[1]}
+    out = {f"recall@{k}": (rank < k).astype(np.float64) for k in ks if k <= topk.shape[1]}
     for k in ndcg_ks:
         if k <= topk.shape[1]:
-            gain = np.where(rank < k, 1.0 / np.log2(np.minimum(rank, k) + 2.0), 0.0)
-            out[f"ndcg@{k}"] = float(np.mean(gain)) if len(rank) else 0.0
+            out[f"ndcg@{k}"] = np.where(rank < k, 1.0 / np.log2(np.minimum(rank, k) + 2.0), 0.0)
     return out
+
+
+def popular_topk(popularity: np.ndarray, histories, k: int, exclude: bool) -> np.ndarray:
+    """Most-popular list per user (train-part counts, ties by item index), seen items skipped if exclude."""
+    order = np.argsort(-popularity, kind="stable")
+    if not exclude:
+        return np.broadcast_to(order[:k], (len(histories), k)).copy()
+    out = np.full((len(histories), k), -1, dtype=np.int64)
+    for u, h in enumerate(histories):
+        seen = set(h)
+        top = [i for i in order[:k + len(seen)] if i not in seen][:k]
+        out[u, :len(top)] = top
+    return out
+
+
+def paired_bootstrap(a: np.ndarray, b: np.ndarray, n: int = 2000, seed: int = 0):
+    """Mean of a - b over users and its 95% bootstrap interval (users resampled with replacement)."""
+    d = a - b
+    idx = np.random.default_rng(seed).integers(0, len(d), (n, len(d)))
+    lo, hi = np.percentile(d[idx].mean(1), [2.5, 97.5])
+    return [round(float(d.mean()), 5), round(float(lo), 5), round(float(hi), 5)]
 
 
 def markdown_table(rows):
@@ -321,28 +437,23 @@ def markdown_table(rows):
 # ---------------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------------
-def pick_dtype(name: str, device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in ("float32", "bfloat16"):
-        die(f"unknown --dtype {name!r}; use auto|float32|bfloat16")
-    return getattr(torch, name)
-
-
 def main():
     args = parse_args()
     seed_everything(args.seed)
     if args.split not in ("test", "valid"):
         die(f"unknown --split {args.split!r}; use test|valid")
-    if args.beam < 1 or args.batch_size < 1:
-        die("--beam and --batch-size must be >= 1")
+    if args.beam < 1 or args.batch_size < 1 or args.users < 0 or args.max_history < 0:
+        die("--beam and --batch-size must be >= 1, --users and --max-history >= 0")
     device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    ctx, dtype_note = pick_autocast(args.dtype, device)
     out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
-    print(f"device {device}  dtype {str(dtype).replace('torch.', '')}  model {args.model}  split {args.split}")
+    protocol = "history excluded" if args.exclude_history else "history kept"
+    print(f"device {device}  {dtype_note} (head + log-softmax fp32)  model {args.model}  split {args.split}  "
+          f"{protocol}")
     t0 = time.time()
-    model, tok, vocab, data, sids, item_tok, sft_cfg = load_sid_model(args.model, out_dir, device, dtype)
+    model, tok, vocab, data, sids, item_tok, sft_cfg = load_sid_model(args.model, out_dir, device)
     template = sft_cfg.get("template", DEFAULT_TEMPLATE)
+    softmax = sft_cfg.get("softmax", "full")
     max_history = args.max_history or sft_cfg.get("max_history", 20)
 
     seqs = data["sequences"][:args.users or None]
@@ -350,36 +461,55 @@ def main():
     histories = [s[:-cut] for s in seqs]
     targets = data[args.split][:len(seqs)].numpy()
     prompts = build_prompts(tok, template, item_tok, histories, max_history)
-    level_tok = [torch.tensor(t).clamp(min=0) for t in vocab["token_ids"]]   # unused codes never in the trie
-    nxt = build_trie(sids, [len(t) for t in level_tok])
+    scorer = LevelScorer(model, vocab["token_ids"], softmax)
+    nxt = build_trie(sids, [len(t) for t in vocab["token_ids"]])
+    paths = trie_paths(sids, nxt)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    print(f"users {len(prompts)}  items {len(sids)}  levels {len(level_tok)}  beam {args.beam}  "
+    print(f"users {len(prompts)}  items {len(sids)}  levels {len(nxt)}  beam {args.beam}  softmax {softmax}  "
           f"prompt tokens mean {np.mean([len(p) for p in prompts]):.0f}")
 
     t1 = time.time()
-    items, scores = rank_all(model, prompts, level_tok, nxt, args.beam, pad_id, args.batch_size)
+    items, scores = rank_all(model, prompts, scorer, nxt, args.beam, pad_id, args.batch_size,
+                             histories if args.exclude_history else None, paths, ctx)
     search_s = time.time() - t1
     topk = items.numpy()
     pop = data["popularity"].numpy()
-    pop_topk = np.broadcast_to(np.argsort(-pop, kind="stable")[:args.beam], topk.shape)
+    pop_topk = popular_topk(pop, histories, args.beam, args.exclude_history)
     cold = pop[targets] <= args.cold_max
+    ours, popular = per_user_metrics(topk, targets), per_user_metrics(pop_topk, targets)
     res = {
-        "split": args.split, "users": len(prompts), "beam": args.beam, "max_history": max_history,
-        "template": template, "model": rank_metrics(topk, targets), "most_popular": rank_metrics(pop_topk, targets),
+        "split": args.split, "protocol": protocol, "exclude_history": args.exclude_history,
+        "users": len(prompts), "beam": args.beam, "max_history": max_history, "template": template,
+        "softmax": softmax, "model": rank_metrics(topk, targets), "most_popular": rank_metrics(pop_topk, targets),
+        "model_minus_most_popular": {k: paired_bootstrap(ours[k], popular[k]) for k in ours},
         "cold_max": args.cold_max, "cold_users": int(cold.sum()),
         "cold_model": rank_metrics(topk[cold], targets[cold]),
         "cold_most_popular": rank_metrics(pop_topk[cold], targets[cold]),
-        "search_seconds": round(search_s, 2), "seconds": round(time.time() - t0, 2),
+        "targets_in_history": int(sum(t in set(h) for t, h in zip(targets.tolist(), histories))),
+        "search_seconds": round(search_s, 2), "seconds": round(time.time() - t0, 2), "autocast": dtype_note,
     }
-    atomic_write(os.path.join(args.model, f"eval_{args.split}.json"),
-                 lambda t: open(t, "w").write(json.dumps(res, indent=2)))
-    atomic_write(os.path.join(args.model, f"eval_{args.split}_topk.npy"), lambda t: np.save(open(t, "wb"), topk))
+    rows = [(f"model (all, n={len(prompts)})", res["model"]), ("most popular (all)", res["most_popular"])]
+    sasrec = os.path.join(out_dir, "sasrec", f"eval_{args.split}.json")      # baselines/sasrec.py, same protocol
+    if os.path.exists(sasrec):
+        ref = json.load(open(sasrec))
+        key = "exclude_history" if args.exclude_history else "keep_history"
+        if ref.get("users") == len(prompts) and key in ref:
+            res["sasrec"], res["cold_sasrec"] = ref[key]["model"], ref[key]["cold_model"]
+            rows.append(("SASRec (all)", res["sasrec"]))
+    rows += [(f"model (cold <= {args.cold_max}, n={res['cold_users']})", res["cold_model"]),
+             ("most popular (cold)", res["cold_most_popular"])]
+    if "cold_sasrec" in res:
+        rows.append(("SASRec (cold)", res["cold_sasrec"]))
+    name = f"eval_{args.split}" + ("" if args.exclude_history else "_keep")
+    atomic_write(os.path.join(args.model, f"{name}.json"), lambda t: open(t, "w").write(json.dumps(res, indent=2)))
+    atomic_write(os.path.join(args.model, f"{name}_topk.npy"), lambda t: np.save(open(t, "wb"), topk))
     print(f"beam search {search_s:.1f}s for {len(prompts)} users ({1000 * search_s / len(prompts):.0f} ms/user)")
-    print(markdown_table([(f"model (all, n={len(prompts)})", res["model"]),
-                          ("most popular (all)", res["most_popular"]),
-                          (f"model (cold <= {args.cold_max}, n={res['cold_users']})", res["cold_model"]),
-                          ("most popular (cold)", res["cold_most_popular"])]))
-    print(f"wrote {os.path.join(args.model, f'eval_{args.split}.json')}")
+    print(f"{protocol}, {args.split} split:")
+    print(markdown_table(rows))
+    d = {k: v for k, v in res["model_minus_most_popular"].items() if k.endswith("@10")} or res["model_minus_most_popular"]
+    print("model - most popular (mean, 95% paired bootstrap over users): "
+          + ", ".join(f"{k} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" for k, v in d.items()))
+    print(f"wrote {os.path.join(args.model, name + '.json')}")
 
 
 if __name__ == "__main__":

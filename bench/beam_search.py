@@ -1,6 +1,7 @@
 """Benchmark (not a test): our batched trie-constrained beam search (06_eval.py) vs Hugging Face
 `model.generate(num_beams=B, num_return_sequences=B, prefix_allowed_tokens_fn=...)` (how LC-Rec, LETTER and
-MiniOneRec decode) vs the bare forward passes any such search needs (the "forward floor": one prefill per
+MiniOneRec decode; history kept, log-softmax over the whole vocabulary as generate does) vs the bare
+forward passes any such search needs (the "forward floor": one prefill per
 user, the cache copied to the B beams, then one forward per later SID level over users x beams).
 
 Same model, same prompts (06's template over the test histories), same batches of users. Prints the three
@@ -44,8 +45,8 @@ class Args:
     """also time model.generate (slow: it runs every prompt once per beam)"""
     device: str = "cpu"
     """cpu | cuda | mps | auto"""
-    dtype: str = "auto"
-    """auto (bfloat16 on CUDA) | float32 | bfloat16"""
+    dtype: str = "float32"
+    """float32 | auto | bfloat16 (autocast of the LM body; 06's rule)"""
     repeats: int = 2
     """time ours and the floor this many times (interleaved) and keep the fastest"""
     max_history: int = 20
@@ -114,18 +115,18 @@ def agreement(a_items, a_scores, b_items, b_scores, tol=1e-4):
 def main():
     args = ev.parse_args()
     device = ev.pick_device(args.device)
-    dtype = ev.pick_dtype(args.dtype, device)
+    ctx, dtype_note = ev.pick_autocast(args.dtype, device)
     torch.manual_seed(0)
     out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
-    model, tok, vocab, data, sids, item_tok, cfg = ev.load_sid_model(args.model, out_dir, device, dtype)
+    model, tok, vocab, data, sids, item_tok, cfg = ev.load_sid_model(args.model, out_dir, device)
     seqs = data["sequences"][:args.users]
     prompts = ev.build_prompts(tok, cfg.get("template", ev.DEFAULT_TEMPLATE), item_tok, [s[:-1] for s in seqs],
                                cfg.get("max_history", args.max_history))
-    level_tok = [torch.tensor(t).clamp(min=0) for t in vocab["token_ids"]]
-    nxt = ev.build_trie(sids, [len(t) for t in level_tok])
+    scorer = ev.LevelScorer(model, vocab["token_ids"], "full")     # generate() normalizes over the vocabulary
+    nxt = ev.build_trie(sids, [len(t) for t in vocab["token_ids"]])
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    L = len(level_tok)
-    print(f"device {device}  dtype {str(dtype).replace('torch.', '')}  users {len(prompts)}  beam {args.beam}  "
+    L = len(nxt)
+    print(f"device {device}  {dtype_note}  users {len(prompts)}  beam {args.beam}  "
           f"levels {L}  items {len(sids)}  prompt tokens mean {np.mean([len(p) for p in prompts]):.0f}  "
           f"batch {args.batch_size}  threads {torch.get_num_threads()}")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -137,11 +138,11 @@ def main():
         sync()
         return time.perf_counter() - t, r
 
-    ev.beam_search(model, prompts[:2], level_tok, nxt, args.beam, pad)              # warm-up
+    ev.beam_search(model, prompts[:2], scorer, nxt, args.beam, pad, ctx=ctx)       # warm-up
     t_ours, t_floor = math.inf, math.inf
     for _ in range(args.repeats):
-        t, (items, scores) = timed(lambda: ev.rank_all(model, prompts, level_tok, nxt, args.beam, pad,
-                                                       args.batch_size, progress=False))
+        t, (items, scores) = timed(lambda: ev.rank_all(model, prompts, scorer, nxt, args.beam, pad,
+                                                       args.batch_size, ctx=ctx, progress=False))
         t_ours = min(t_ours, t)
         t_floor = min(t_floor, timed(lambda: forward_floor(model, prompts, L, args.beam, pad, args.batch_size))[0])
     print(f"ours (trie beam search)     {t_ours:8.2f} s   {1000 * t_ours / len(prompts):7.1f} ms/user")

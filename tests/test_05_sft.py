@@ -22,38 +22,95 @@ def sid_setup(tmp_path_factory):
     return out, tiny, make_sid_model(out, tiny, str(root / "out" / "models" / "mean"))
 
 
-def test_examples_never_contain_valid_or_test_targets(sid_setup, tmp_path):
+def held_out_setup(sid_setup):
+    """Sequences whose items 58 and 59 occur only as validation / test targets."""
     from transformers import AutoTokenizer
-    sft = load_script("05_sft.py")
     out, _, model_dir = sid_setup
     data = torch.load(os.path.join(out, "dataset.pt"), weights_only=True)
     vocab = json.load(open(os.path.join(model_dir, "sid_vocab.json")))
     item_tok = torch.tensor(vocab["item_token_ids"])
-    # held-out items 58 and 59 occur only as validation / test targets
     seqs = [[i % 58 for i in s[:-2]] + [58, 59] for s in data["sequences"]]
+    return AutoTokenizer.from_pretrained(model_dir), data, item_tok, seqs
+
+
+def test_prompt_rows_never_contain_valid_or_test_targets(sid_setup):
+    sft = load_script("05_sft.py")
+    tok, data, item_tok, seqs = held_out_setup(sid_setup)
     train, valid = [s[:-2] for s in seqs], [s[-2] for s in seqs]
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    rec, aux = sft.build_examples(train, len(item_tok), 0.5, seed=0)
+    rec, aux = sft.build_examples(train, len(item_tok), "prompt", 20, 0.5, seed=0)
     assert len(rec) == sum(len(s) - 1 for s in train) and len(aux) == round(0.5 * len(rec))
-    enc = sft.Encoder(tok, "History: {history}\nNext:", item_tok, data["texts"], train, valid, 20)
+    enc = sft.Encoder(tok, "History: {history}\nNext:", "prompt", item_tok, data["texts"], train, valid, 20)
     held = [item_tok[58].tolist(), item_tok[59].tolist()]
     for ex in rec:
-        prompt, target = enc(ex)
-        ids = prompt + target
+        ids, is_target = enc(ex)
         assert not any(ids[j:j + 4] == h for h in held for j in range(len(ids) - 3)), ex
+        target = [t for t, m in zip(ids, is_target) if m]
         assert target == item_tok[train[ex[1]][ex[2]]].tolist() + [tok.eos_token_id]
-        assert len(prompt) <= 30 + 4 * 20                                    # history capped at 20 items
-    prompt, target = enc((3, 0, 0))                                          # the validation example
-    assert target[:4] == held[0] and held[1] not in [prompt[j:j + 4] for j in range(len(prompt))]
+        assert len(ids) - len(target) <= 30 + 4 * 20                          # history capped at 20 items
+    ids, is_target = enc((3, 0, 0))                                           # the validation example
+    target = [t for t, m in zip(ids, is_target) if m]
+    assert target[:4] == held[0] and held[1] not in [ids[j:j + 4] for j in range(len(ids))]
 
 
-def test_collate_keeps_targets_at_the_end():
+def test_sequence_windows_cover_every_train_target_once(sid_setup):
+    """Every-position rows: windows of <= H+1 train items, labels = the SID tokens of items 2..n of the
+    window, each train target exactly once per epoch, never a validation or test item."""
     sft = load_script("05_sft.py")
-    ids, mask, pos, labels = sft.collate([([5, 6, 7], [8, 9]), ([5], [8, 9, 10])], pad_id=0)
-    assert ids.tolist() == [[5, 6, 7, 8, 9], [0, 5, 8, 9, 10]]
-    assert pos.tolist() == [[0, 1, 2, 3, 4], [0, 0, 1, 2, 3]]
-    # 4 kept logits (positions 1..4): each label is the token after its position, -100 elsewhere
-    assert labels.tolist() == [[-100, 8, 9, -100], [8, 9, 10, -100]]
+    tok, data, item_tok, seqs = held_out_setup(sid_setup)
+    train, valid = [s[:-2] for s in seqs], [s[-2] for s in seqs]
+    H = 3
+    rec, _ = sft.build_examples(train, len(item_tok), "sequence", H, 0.0, seed=0)
+    enc = sft.Encoder(tok, "User history: {history}", "sequence", item_tok, data["texts"], train, valid, H)
+    pre = tok("User history: ", add_special_tokens=False).input_ids
+    held = [item_tok[58].tolist(), item_tok[59].tolist()]
+    covered = {}
+    for ex in rec:
+        kind, u, end = ex
+        window = train[u][max(0, end - H - 1):end]
+        assert kind == 4 and 2 <= len(window) <= H + 1
+        ids, is_target = enc(ex)
+        assert ids == pre + [t for i in window for t in item_tok[i].tolist()]   # laid out like 06's prompt
+        assert [t for t, m in zip(ids, is_target) if m] == [t for i in window[1:] for t in item_tok[i].tolist()]
+        assert not any(ids[j:j + 4] == h for h in held for j in range(len(ids) - 3)), ex
+        for pos in range(max(0, end - H - 1) + 1, end):
+            covered[u, pos] = covered.get((u, pos), 0) + 1
+    assert covered == {(u, p): 1 for u, s in enumerate(train) for p in range(1, len(s))}
+    # collate turns the flags into next-token labels: the logit at position j predicts token j+1
+    ids, mask, pos, labels = sft.collate([enc(rec[0]), enc(rec[1])], pad_id=0)
+    for b, ex in enumerate(rec[:2]):
+        x, t = enc(ex)
+        T = ids.shape[1]
+        assert ids[b, T - len(x):].tolist() == x and mask[b].sum() == len(x)
+        want = [x[j + 1] if t[j + 1] else -100 for j in range(len(x) - 1)] + [-100]
+        assert labels[b, T - len(x):].tolist() == want and (labels[b, :T - len(x)] == -100).all()
+        assert pos[b, T - len(x):].tolist() == list(range(len(x)))                # positions ignore the pad
+
+
+def test_validation_row_equals_06_prompt(sid_setup):
+    """The token layout 05 trains and validates on is the prompt 06 ranks with, token for token, for both
+    objectives and their default templates."""
+    sft, ev = load_script("05_sft.py"), load_script("06_eval.py")
+    tok, data, item_tok, _ = held_out_setup(sid_setup)
+    train, valid = data["train"], data["valid"].tolist()
+    for objective, template in sft.TEMPLATES.items():
+        enc = sft.Encoder(tok, template, objective, item_tok, data["texts"], train, valid, 5)
+        prompts = ev.build_prompts(tok, template, item_tok, train, 5)                # 06 --split valid histories
+        for u in range(len(train)):
+            ids, is_target = enc((3, u, 0))
+            n_prompt = is_target.index(1)
+            assert ids[:n_prompt] == prompts[u], (objective, u)
+            assert ids[n_prompt:n_prompt + 4] == item_tok[valid[u]].tolist()
+    assert ev.DEFAULT_TEMPLATE == sft.TEMPLATES["prompt"]                         # folders without sft_config
+
+
+def test_aux_prompt_keeps_the_whole_title(sid_setup):
+    sft = load_script("05_sft.py")
+    tok, data, item_tok, _ = held_out_setup(sid_setup)
+    texts = ["Toy Story (1995)"] + data["texts"][1:]
+    enc = sft.Encoder(tok, sft.TEMPLATES["sequence"], "sequence", item_tok, texts, data["train"], [0], 5)
+    for kind in (1, 2):
+        ids, is_target = enc((kind, 0, 0))
+        assert "Toy Story (1995)" in tok.decode(ids), tok.decode(ids)
 
 
 def test_resume_equals_uninterrupted(sid_setup, tmp_path):
@@ -71,16 +128,16 @@ def test_resume_equals_uninterrupted(sid_setup, tmp_path):
     assert len(ja["loss_curve"]) == 8 and ja["best_step"] == jb["best_step"]
     assert ja["val_level_acc"] == jb["val_level_acc"]
     vocab = json.load(open(os.path.join(model_dir, "sid_vocab.json")))
-    assert ja["val_level_names"] == vocab["level_names"] + ["eos"]
+    assert ja["val_level_names"] == vocab["level_names"]                # sequence: no eos target
     for (st, loss, acc), (st2, per_level) in zip(ja["val_curve"], ja["val_level_acc"]):
-        assert st == st2 and len(per_level) == vocab["num_levels"] + 1 and all(0 <= x <= 1 for x in per_level)
-        assert abs(np.mean(per_level) - acc) < 1e-3        # every target has L+2 tokens: mean of positions
+        assert st == st2 and len(per_level) == vocab["num_levels"] and all(0 <= x <= 1 for x in per_level)
+        assert abs(np.mean(per_level) - acc) < 1e-3        # every target has L+1 tokens: mean of positions
     from safetensors.torch import load_file
     wa, wb = (load_file(os.path.join(d, "model.safetensors")) for d in (a, b))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not os.path.exists(b + ".resume.pt")
     cfg = json.load(open(os.path.join(a, "sft_config.json")))
-    assert cfg["max_history"] == 20 and "{history}" in cfg["template"]
+    assert cfg["max_history"] == 20 and cfg["template"] == "User history: {history}" and cfg["softmax"] == "level"
     assert json.load(open(os.path.join(a, "sid_vocab.json"))) == json.load(open(os.path.join(model_dir, "sid_vocab.json")))
 
 
@@ -97,7 +154,7 @@ def test_ddp_two_processes_gloo(sid_setup, tmp_path):
     j1, j2 = (json.load(open(os.path.join(d, "05_sft.json"))) for d in (one, two))
     assert j2["world_size"] == 2 and len(j2["loss_curve"]) == len(j1["loss_curve"]) == 6
     l1, l2 = (np.array([v for _, v in j["loss_curve"]]) for j in (j1, j2))
-    assert np.allclose(l1, l2, rtol=1e-3), (l1, l2)                          # same examples per step
+    assert np.allclose(l1, l2, rtol=1e-4), (l1, l2)      # same examples, loss normalized over both ranks
     assert l2[-1] < l2[0]
     for (_, _, a1), (_, p1), (_, _, a2), (_, p2) in zip(j1["val_curve"], j1["val_level_acc"],
                                                          j2["val_curve"], j2["val_level_acc"]):
@@ -110,12 +167,16 @@ def test_ddp_two_processes_gloo(sid_setup, tmp_path):
 def test_aux_tasks_and_custom_template_reach_06(sid_setup, tmp_path):
     out, _, model_dir = sid_setup
     dst = str(tmp_path / "aux")
-    r = run("05_sft.py", "--model", model_dir, "--save", dst, *TINY, "--steps", "3", "--aux-tasks",
-            "--aux-ratio", "0.5", "--template", "Seen: {history}. Then:", "--max-history", "5")
+    r = run("05_sft.py", "--model", model_dir, "--save", dst, *TINY, "--steps", "3", "--aux-tasks", "--objective",
+            "prompt", "--softmax", "full", "--aux-ratio", "0.5", "--template", "Seen: {history}. Then:",
+            "--max-history", "5")
     assert "88 auxiliary" in r.stdout                                         # 0.5 x 176 positions
     run("06_eval.py", "--model", dst, "--out-dir", out, "--beam", "5", "--users", "8")
     res = json.load(open(os.path.join(dst, "eval_test.json")))
-    assert res["template"] == "Seen: {history}. Then:" and res["max_history"] == 5
+    assert res["template"] == "Seen: {history}. Then:" and res["max_history"] == 5 and res["softmax"] == "full"
+    err = assert_one_line_error(run("05_sft.py", "--model", model_dir, "--save", dst, *TINY, "--template",
+                                    "Seen: {history}. Then:", check=False))   # sequence: must end with {history}
+    assert "--template" in err
 
 
 def test_bad_input(sid_setup, tmp_path):
@@ -128,3 +189,24 @@ def test_bad_input(sid_setup, tmp_path):
     err = assert_one_line_error(run("05_sft.py", "--model", model_dir, "--save", str(tmp_path / "x"), *TINY,
                                     "--resume", check=False))
     assert "resume" in err
+    for flag, value in (("--batch-size", "0"), ("--eval-every", "0"), ("--grad-accum", "0"), ("--steps", "-3"),
+                        ("--objective", "chat"), ("--softmax", "none"), ("--dtype", "fp8")):
+        err = assert_one_line_error(run("05_sft.py", "--model", model_dir, "--save", str(tmp_path / "y"), *TINY,
+                                        flag, value, check=False))
+        assert flag.lstrip("-").split("-")[0] in err, err
+    assert not os.path.exists(tmp_path / "y")
+
+
+def test_save_folder_survives_a_kill_between_renames(tmp_path):
+    """A kill between save_folder's two renames leaves <dst>.old and no <dst>; the next save recovers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    sft = load_script("05_sft.py")
+    tiny = make_tiny_model(str(tmp_path / "tiny"))
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny), AutoTokenizer.from_pretrained(tiny)
+    dst = str(tmp_path / "m")
+    sft.save_folder(dst, model, tok, {"a.json": {"v": 1}})
+    os.replace(dst, dst + ".old")                                              # the state after the first rename
+    os.makedirs(dst + ".tmp")                                                  # and a half-written tmp
+    sft.save_folder(dst, model, tok, {"a.json": {"v": 2}})
+    assert json.load(open(os.path.join(dst, "a.json"))) == {"v": 2}
+    assert sorted(os.listdir(tmp_path)) == ["m", "tiny"]

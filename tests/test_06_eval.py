@@ -19,47 +19,100 @@ def sid_setup(tmp_path_factory):
     return out, tiny, model_dir
 
 
-def prepared(ev, out, model_dir, users=8):
-    model, tok, vocab, data, sids, item_tok, _ = ev.load_sid_model(model_dir, out, torch.device("cpu"),
-                                                                   torch.float32)
-    prompts = ev.build_prompts(tok, ev.DEFAULT_TEMPLATE, item_tok, [s[:-1] for s in data["sequences"][:users]], 20)
-    level_tok = [torch.tensor(t).clamp(min=0) for t in vocab["token_ids"]]
-    nxt = ev.build_trie(sids, [len(t) for t in level_tok])
-    return model, tok, item_tok, prompts, level_tok, nxt
+def prepared(ev, out, model_dir, users=8, softmax="full"):
+    model, tok, vocab, data, sids, item_tok, _ = ev.load_sid_model(model_dir, out, torch.device("cpu"))
+    histories = [s[:-1] for s in data["sequences"][:users]]
+    prompts = ev.build_prompts(tok, ev.DEFAULT_TEMPLATE, item_tok, histories, 20)
+    scorer = ev.LevelScorer(model, vocab["token_ids"], softmax)
+    nxt = ev.build_trie(sids, [len(t) for t in vocab["token_ids"]])
+    return model, tok, item_tok, prompts, scorer, nxt, histories, ev.trie_paths(sids, nxt), vocab
 
 
 @torch.no_grad()
-def brute_force(model, prompt, item_tok):
-    """Score every item: sum of the model's log-probs of its SID tokens after the prompt (no cache, no pad)."""
+def brute_force(model, prompt, item_tok, vocab=None, softmax="full"):
+    """Score every item: sum of the model's log-probs of its SID tokens after the prompt (no cache, no pad),
+    normalized over the vocabulary, over all SID tokens, or over the token's level (by hand)."""
     n, L = item_tok.shape
     seq = torch.cat([torch.tensor(prompt).expand(n, -1), item_tok], 1)       # (N, P+L)
-    logp = model(input_ids=seq).logits[:, -L - 1:-1].float().log_softmax(-1)  # (N, L, V)
+    logits = model(input_ids=seq).logits[:, -L - 1:-1].float()              # (N, L, V)
+    if softmax == "full":
+        logp = logits.log_softmax(-1)
+    else:
+        levels = [[t for t in lvl if t >= 0] for lvl in vocab["token_ids"]]
+        logp = torch.full_like(logits, -float("inf"))
+        for l in range(L):
+            cols = levels[l] if softmax == "level" else [t for lvl in levels for t in lvl]
+            logp[:, l, cols] = logits[:, l, cols].log_softmax(-1)
     return logp.gather(2, item_tok[..., None]).squeeze(-1).sum(1)            # (N,)
 
 
-def test_beam_search_equals_brute_force(sid_setup):
+@pytest.mark.parametrize("softmax", ["full", "sid", "level"])
+def test_beam_search_equals_brute_force(sid_setup, softmax):
     ev = load_script("06_eval.py")
     out, _, model_dir = sid_setup
-    model, tok, item_tok, prompts, level_tok, nxt = prepared(ev, out, model_dir)
+    model, tok, item_tok, prompts, scorer, nxt, _, _, vocab = prepared(ev, out, model_dir, softmax=softmax)
     n = item_tok.shape[0]
     # prompts of different lengths in one batch: left padding must not change any score
     assert len({len(p) for p in prompts}) > 1
-    items, scores = ev.beam_search(model, prompts, level_tok, nxt, beam=n, pad_id=tok.eos_token_id)
+    items, scores = ev.beam_search(model, prompts, scorer, nxt, beam=n, pad_id=tok.eos_token_id)
     for b, p in enumerate(prompts):
-        ref = brute_force(model, p, item_tok)
+        ref = brute_force(model, p, item_tok, vocab, softmax)
         ref_order = torch.argsort(ref, descending=True, stable=True)
         assert torch.allclose(scores[b], ref[ref_order], atol=1e-4), (scores[b][:5], ref[ref_order][:5])
         assert torch.allclose(ref[items[b]], scores[b], atol=1e-4)          # each item carries its own score
         assert sorted(items[b].tolist()) == list(range(n))                 # every item exactly once
 
 
+def test_history_exclusion_inside_the_search(sid_setup):
+    """--exclude-history: with beam = all items the list is exactly the unseen items in brute-force order;
+    at any beam width no history item comes back, every slot holds an item while unseen ones remain, and
+    a target outside the history is ranked where brute force over the unseen items puts it."""
+    ev = load_script("06_eval.py")
+    out, _, model_dir = sid_setup
+    data = torch.load(os.path.join(out, "dataset.pt"), weights_only=True)
+    model, tok, item_tok, prompts, scorer, nxt, histories, paths, _ = prepared(ev, out, model_dir, users=12)
+    n = item_tok.shape[0]
+    for beam in (n, 5, 1):
+        items, scores = ev.rank_all(model, prompts, scorer, nxt, beam, tok.eos_token_id, 4, histories, paths,
+                                    progress=False)
+        for u, h in enumerate(histories):
+            unseen = sorted(set(range(n)) - set(h))
+            got = [i for i in items[u].tolist() if i >= 0]
+            assert not set(got) & set(h) and len(got) == min(beam, len(unseen))
+            if beam == n:
+                ref = brute_force(model, prompts[u], item_tok)
+                order = [i for i in torch.argsort(ref, descending=True, stable=True).tolist() if i not in h]
+                assert torch.allclose(scores[u][:len(order)], ref[order], atol=1e-4)
+                target = int(data["test"][u])
+                if target not in h:
+                    assert target in got                                           # never dropped
+    masks = ev.unseen_masks(paths, [[0, 1, 2], []])
+    assert not masks[-1][0, :3].any() and masks[-1][0, 3:].all() and masks[-1][1].all()
+
+
+def test_popular_topk_excludes_history():
+    ev = load_script("06_eval.py")
+    pop = np.array([5, 9, 9, 1, 0, 7])
+    assert ev.popular_topk(pop, [[1], []], 3, exclude=False).tolist() == [[1, 2, 5], [1, 2, 5]]
+    assert ev.popular_topk(pop, [[1, 5], []], 3, exclude=True).tolist() == [[2, 0, 3], [1, 2, 5]]
+    assert ev.popular_topk(pop, [[0, 1, 2, 3, 4]], 3, exclude=True).tolist() == [[5, -1, -1]]
+
+
+def test_paired_bootstrap_interval():
+    ev = load_script("06_eval.py")
+    a, b = np.array([1.0, 0, 1, 1, 0, 1] * 50), np.zeros(300)
+    mean, lo, hi = ev.paired_bootstrap(a, b)
+    assert mean == pytest.approx(2 / 3, abs=1e-5) and lo < mean < hi and hi - lo < 0.15
+    assert ev.paired_bootstrap(b, b) == [0.0, 0.0, 0.0]
+
+
 def test_only_valid_unique_sids(sid_setup):
     ev = load_script("06_eval.py")
     out, _, model_dir = sid_setup
-    model, tok, item_tok, prompts, level_tok, nxt = prepared(ev, out, model_dir)
+    model, tok, item_tok, prompts, scorer, nxt, _, _, _ = prepared(ev, out, model_dir)
     n = item_tok.shape[0]
     for beam in (1, 5, n + 10):
-        items, scores = ev.beam_search(model, prompts, level_tok, nxt, beam=beam, pad_id=tok.eos_token_id)
+        items, scores = ev.beam_search(model, prompts, scorer, nxt, beam=beam, pad_id=tok.eos_token_id)
         assert items.shape == (len(prompts), beam)
         real = items[:, :min(beam, n)]
         assert ((real >= 0) & (real < n)).all() and torch.isfinite(scores[:, :min(beam, n)]).all()
@@ -92,9 +145,17 @@ def test_metrics_by_hand():
 
 def test_eval_end_to_end_and_bad_input(sid_setup, tmp_path):
     out, tiny, model_dir = sid_setup
-    r = run("06_eval.py", "--model", model_dir, "--beam", "20", "--batch-size", "16", "--split", "valid")
-    res = json.load(open(os.path.join(model_dir, "eval_valid.json")))
-    topk = np.load(os.path.join(model_dir, "eval_valid_topk.npy"))
+    r = run("06_eval.py", "--model", model_dir, "--beam", "20", "--batch-size", "16", "--split", "valid",
+            "--no-exclude-history")
+    res = json.load(open(os.path.join(model_dir, "eval_valid_keep.json")))
+    topk = np.load(os.path.join(model_dir, "eval_valid_keep_topk.npy"))
+    assert res["protocol"] == "history kept"
+    run("06_eval.py", "--model", model_dir, "--beam", "10", "--users", "8")          # default: history excluded
+    ex = json.load(open(os.path.join(model_dir, "eval_test.json")))
+    seen = np.load(os.path.join(model_dir, "eval_test_topk.npy"))
+    data = torch.load(os.path.join(out, "dataset.pt"), weights_only=True)
+    assert ex["protocol"] == "history excluded" and ex["users"] == 8 and len(ex["model_minus_most_popular"]) == 7
+    assert not any(set(seen[u].tolist()) & set(data["sequences"][u][:-1]) for u in range(8))
     assert topk.shape == (40, 20) and res["users"] == 40 and "| most popular (all) |" in r.stdout
     # recompute the metrics from the saved lists: the json is what the lists say
     data = torch.load(os.path.join(out, "dataset.pt"), weights_only=True)

@@ -1,0 +1,374 @@
+"""Reference baseline: SASRec (Kang & McAuley 2018), a small causal Transformer over item-id embeddings.
+
+Not a numbered step: a conventional ID-based sequential recommender to put the SID models (05/06) in
+context, on the same dataset.pt, the same leave-one-out splits and the same metric function (06's
+`rank_metrics`, loaded from 06_eval.py, not copied).
+
+    x_t  = E[s_t] + P[t]                         E: (N+1) x d item embeddings (row 0 = padding), P: positions
+    block(x) = x + Drop(Attn(LN(x)));  then  x + Drop(FFN(LN(x)))          (pre-LN, 2 blocks)
+    Attn: softmax(Q K^T / sqrt(d_h) + M) V,  M[t, t'] = -inf unless t' <= t and s_t' is not padding
+    h_t  = LN(block(block(x)))_t                 logits_t = h_t E[1:]^T      (item embeddings shared)
+    loss = - mean over non-padding t of  log softmax(logits_t)[s_{t+1}]      full softmax over all N items
+The original paper trains with one sampled negative per position and binary cross-entropy; here the loss is
+the full softmax cross-entropy over all N items (cheap at this scale, and usually stronger).
+
+Training: for each user the train part s = train[u] (= sequence[:-2]) gives inputs s[:-1] and targets s[1:],
+cut from the end into consecutive windows of at most --max-len targets (every train target is used once
+per epoch), left-padded to --max-len. Adam, shuffled windows. Every --eval-every epochs: validation
+Recall@10 (history = train part, target = valid item, history items excluded); the best state is kept and
+training stops after --patience evaluations without improvement.
+Test: history = sequence[:-1] (train part + valid item), its last --max-len items are fed to the model,
+target = test item, full ranking over all N items, top-20 lists under two protocols:
+    exclude: items of the user's history get -inf before the top-K (RecBole's full-sort protocol)
+    keep:    nothing removed (06_eval.py's protocol for the SID models)
+(-1 in a list = fewer than 20 items left after the exclusion.) Cold targets: test items seen <= --cold-max
+times in the train parts (as in 06).
+
+Reads:  <out-dir>/dataset.pt (01_embed_items.py)
+Writes: <out-dir>/sasrec/sasrec.pt (best state_dict + config), <out-dir>/sasrec/eval_test.json (metrics per
+        protocol for all users and cold targets, most-popular under the same protocol, val curve, best epoch,
+        seconds, params, args), <out-dir>/sasrec/eval_test_topk_{exclude,keep}.npy (int64 [U, 20], best first)
+
+CPU:  OMP_NUM_THREADS=1 python baselines/sasrec.py --out-dir out/ml-100k
+GPU:  python baselines/sasrec.py --out-dir out/ml-100k --device cuda
+Good run on ML-100K (943 users, 1682 items, 2412 windows; one CPU thread, ~3.3 s/epoch, ~6 min in all): one
+line per evaluation, e.g. "epoch 85 | loss 5.3948 | val R@10 0.2450 | 3.3 s/epoch", early stop at epoch 110
+("best epoch 85 ..."), then two markdown tables; test Recall@10 0.211 / NDCG@10 0.111 with history excluded
+(most popular: 0.086 / 0.045), 0.146 / 0.069 with history kept. Same seed -> same numbers on CPU (CUDA
+kernels may differ slightly).
+"""
+# ---------------------------------------------------------------------------------------------------
+# Shared boilerplate: COPY of the numbered scripts' block (keep names identical across scripts).
+# ---------------------------------------------------------------------------------------------------
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import importlib.util  # noqa: E402  (baseline-specific imports)
+
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Args:
+    out_dir: str = "out/ml-100k"
+    """artifacts folder with dataset.pt; results go to <out-dir>/sasrec/"""
+    max_len: int = 50
+    """items fed to the model (training windows and test histories are cut to this length)"""
+    dim: int = 64
+    """embedding and hidden size d"""
+    blocks: int = 2
+    """self-attention blocks"""
+    heads: int = 1
+    """attention heads (must divide --dim)"""
+    dropout: float = 0.2
+    """dropout on embeddings, attention weights and residual branches"""
+    lr: float = 1e-3
+    """Adam learning rate"""
+    batch_size: int = 128
+    """training windows per step"""
+    epochs: int = 200
+    """maximum passes over all training windows"""
+    eval_every: int = 5
+    """validation Recall@10 every N epochs"""
+    patience: int = 5
+    """stop after this many evaluations without a better validation Recall@10"""
+    cold_max: int = 10
+    """a test target is cold when it occurs <= this many times in the train parts"""
+    users: int = 0
+    """score only the first N users on the test split (0: all); training always uses all users"""
+    eval_batch: int = 256
+    """users per scoring batch"""
+    device: str = "auto"
+    """auto | cpu | cuda | mps"""
+    seed: int = 0
+    """seeds random, numpy, torch (initialization, dropout, window order)"""
+
+
+def die(msg: str):
+    """Bad input ends the run with one clear line on stderr and exit status 1."""
+    sys.exit(f"error: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        die(f"{message} (see `python {self.prog} --help`)")
+
+
+def parse_args() -> Args:
+    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
+    src = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
+    for f in dataclasses.fields(Args):
+        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        else:
+            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
+            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+    return Args(**vars(p.parse_args()))
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but CUDA is not available; use --device cpu")
+    if name not in ("cpu", "cuda", "mps"):
+        die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
+    return torch.device(name)
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_pt(path: str, hint: str):
+    """torch.load(weights_only=True) with a one-line error that says which step makes the file."""
+    if not os.path.exists(path):
+        die(f"{path} not found; {hint}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+def save_npy(path: str, arr: np.ndarray):
+    with open(path, "wb") as f:      # a file object: np.save would add .npy to a str path
+        np.save(f, arr)
+
+
+def load_eval06():
+    """06_eval.py by path (its name starts with a digit): rank_metrics and markdown_table come from there."""
+    spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------------
+class Block(nn.Module):
+    """Pre-LN Transformer block: masked multi-head self-attention, then a position-wise feed-forward."""
+
+    def __init__(self, d: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.p = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ffn = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Dropout(dropout), nn.Linear(d, d))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, allowed):                       # x (B, T, d); allowed (B, 1, T, T) bool
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=self.p if self.training else 0.0)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, T, d)))
+        return x + self.drop(self.ffn(self.ln2(x)))
+
+
+class SASRec(nn.Module):
+    def __init__(self, num_items: int, max_len: int, d: int, blocks: int, heads: int, dropout: float):
+        super().__init__()
+        self.item = nn.Embedding(num_items + 1, d, padding_idx=0)   # item i -> row i + 1
+        self.pos = nn.Embedding(max_len, d)
+        nn.init.normal_(self.item.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.01)
+        with torch.no_grad():
+            self.item.weight[0].zero_()
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(blocks))
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, seq):                              # seq (B, T) of item index + 1, 0 = padding
+        T = seq.shape[1]
+        real = seq > 0
+        x = self.drop(self.item(seq) + self.pos(torch.arange(T, device=seq.device))) * real[..., None]
+        causal = torch.ones(T, T, dtype=torch.bool, device=seq.device).tril()
+        eye = torch.eye(T, dtype=torch.bool, device=seq.device)
+        allowed = (causal & (real[:, None, :] | eye))[:, None]      # padding rows attend to themselves only
+        for blk in self.blocks:
+            x = blk(x, allowed) * real[..., None]
+        return self.ln(x)                                # (B, T, d)
+
+    def logits(self, h):                                 # (..., d) -> (..., N), shared item embeddings
+        return h @ self.item.weight[1:].T
+
+
+def left_pad(rows, max_len: int) -> torch.Tensor:
+    """Lists of item indices -> (B, max_len) LongTensor of index + 1, the last max_len items, left-padded with 0."""
+    out = torch.zeros(len(rows), max_len, dtype=torch.long)
+    for b, r in enumerate(rows):
+        r = r[-max_len:]
+        if len(r):
+            out[b, max_len - len(r):] = torch.as_tensor(r, dtype=torch.long) + 1
+    return out
+
+
+def train_windows(train, max_len: int):
+    """Each train part s -> consecutive (input, target) windows over s[:-1] -> s[1:], cut from the end."""
+    inputs, targets = [], []
+    for s in train:
+        end = len(s) - 1                                 # targets are s[1 .. end]
+        while end >= 1:
+            start = max(0, end - max_len)
+            inputs.append(s[start:end])
+            targets.append(s[start + 1:end + 1])
+            end = start
+    return left_pad(inputs, max_len), left_pad(targets, max_len) - 1   # targets: -1 = padding (ignored)
+
+
+@torch.no_grad()
+def rank(model, histories, max_len: int, k: int, device, batch: int, exclude: bool) -> np.ndarray:
+    """Top-k item indices (U, k), best first, scoring all N items from each history's last max_len items.
+    exclude: every item of the (full) history gets -inf first; slots left at -inf become -1."""
+    model.eval()
+    n = model.item.num_embeddings - 1
+    out = []
+    for i in range(0, len(histories), batch):
+        hist = histories[i:i + batch]
+        scores = model.logits(model(left_pad(hist, max_len).to(device))[:, -1])      # (B, N)
+        if exclude:
+            seen = torch.zeros(len(hist), n + 1, dtype=torch.bool, device=device)
+            seen.scatter_(1, left_pad(hist, max(1, max(map(len, hist)))).to(device), True)
+            scores = scores.masked_fill(seen[:, 1:], float("-inf"))
+        val, idx = scores.topk(min(k, n), dim=1)
+        out.append(torch.where(val == float("-inf"), -1, idx).cpu())
+    return torch.cat(out).numpy().astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------------
+def main():
+    args = parse_args()
+    seed_everything(args.seed)
+    if min(args.max_len, args.dim, args.blocks, args.heads, args.batch_size, args.epochs, args.eval_every,
+           args.patience, args.eval_batch) < 1 or args.users < 0:
+        die("--max-len, --dim, --blocks, --heads, --batch-size, --epochs, --eval-every, --patience and "
+            "--eval-batch must be >= 1, --users >= 0")
+    if args.dim % args.heads:
+        die(f"--heads {args.heads} must divide --dim {args.dim}")
+    if not 0.0 <= args.dropout < 1.0:
+        die("--dropout must be in [0, 1)")
+    device = pick_device(args.device)
+    t0 = time.time()
+    data = load_pt(os.path.join(args.out_dir, "dataset.pt"), "run 01_embed_items.py first")
+    missing = [f for f in ("train", "valid", "test", "sequences", "popularity", "item_ids") if f not in data]
+    if missing:
+        die(f"{args.out_dir}/dataset.pt lacks {', '.join(missing)}; rerun 01_embed_items.py")
+    ev = load_eval06()
+    n, train = len(data["item_ids"]), data["train"]
+    valid, test, pop = data["valid"].numpy(), data["test"].numpy(), data["popularity"].numpy()
+    x, y = train_windows(train, args.max_len)
+    if len(x) == 0:
+        die(f"{args.out_dir}/dataset.pt has no train part with 2+ items; nothing to train on")
+
+    model = SASRec(n, args.max_len, args.dim, args.blocks, args.heads, args.dropout).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    order_rng = np.random.default_rng(args.seed)
+    print(f"device {device}  users {len(train)}  items {n}  windows {len(x)}  targets {int((y >= 0).sum())}  "
+          f"params {params:,}")
+
+    val_curve, best, best_epoch, best_state, bad, epoch, loss_sum = [], -1.0, 0, None, 0, 0, 0.0
+    t_train, t_ep = time.time(), time.time()
+    for epoch in range(1, args.epochs + 1):
+        model.train()
+        loss_sum, count = 0.0, 0
+        for b in np.array_split(order_rng.permutation(len(x)), max(1, -(-len(x) // args.batch_size))):
+            xb, yb = x[b].to(device), y[b].to(device)
+            real = yb >= 0                                                   # padding positions: no loss
+            loss = F.cross_entropy(model.logits(model(xb)[real]), yb[real])  # logits (#targets, N)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            m = int(real.sum())
+            loss_sum, count = loss_sum + loss.item() * m, count + m
+        if epoch % args.eval_every and epoch != args.epochs:
+            continue
+        topk = rank(model, train, args.max_len, 10, device, args.eval_batch, exclude=True)
+        r10 = ev.rank_metrics(topk, valid)["recall@10"]
+        val_curve.append([epoch, round(r10, 4)])
+        s_ep = (time.time() - t_ep) / (epoch - (val_curve[-2][0] if len(val_curve) > 1 else 0))
+        print(f"epoch {epoch} | loss {loss_sum / count:.4f} | val R@10 {r10:.4f} | {s_ep:.1f} s/epoch", flush=True)
+        t_ep = time.time()
+        if r10 > best:
+            best, best_epoch, bad = r10, epoch, 0
+            best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        else:
+            bad += 1
+            if bad >= args.patience:
+                break
+    train_s = time.time() - t_train
+    model.load_state_dict(best_state)
+    print(f"best epoch {best_epoch}  val R@10 {best:.4f}  epochs run {epoch}  train {train_s:.0f}s")
+
+    # test: history = train part + valid item, target = test item
+    seqs = data["sequences"][:args.users or None]
+    histories, targets = [s[:-1] for s in seqs], test[:len(seqs)]
+    cold = pop[targets] <= args.cold_max
+    pop_topk = np.broadcast_to(np.argsort(-pop, kind="stable")[:20], (len(seqs), min(20, n)))
+    res = {"split": "test", "users": len(seqs), "cold_max": args.cold_max, "cold_users": int(cold.sum())}
+    save_dir = os.path.join(args.out_dir, "sasrec")
+    os.makedirs(save_dir, exist_ok=True)
+    for proto, exclude in (("exclude", True), ("keep", False)):
+        topk = rank(model, histories, args.max_len, 20, device, args.eval_batch, exclude)
+        ptk = pop_topk.copy()
+        if exclude:   # most popular under the same protocol: the 20 most popular items not in the history
+            ptk[:] = -1
+            for u, hs in enumerate(map(set, histories)):
+                row = [i for i in np.argsort(-pop, kind="stable") if i not in hs][:20]
+                ptk[u, :len(row)] = row
+        res[f"{proto}_history"] = {"model": ev.rank_metrics(topk, targets),
+                                   "cold_model": ev.rank_metrics(topk[cold], targets[cold]),
+                                   "most_popular": ev.rank_metrics(ptk, targets),
+                                   "cold_most_popular": ev.rank_metrics(ptk[cold], targets[cold])}
+        atomic_write(os.path.join(save_dir, f"eval_test_topk_{proto}.npy"), lambda t: save_npy(t, topk))
+    res.update({"best_epoch": best_epoch, "best_val_recall@10": best, "epochs_run": epoch, "val_curve": val_curve,
+                "train_seconds": round(train_s, 2), "seconds": round(time.time() - t0, 2), "params": params,
+                "args": dataclasses.asdict(args)})
+    config = {k: getattr(args, k) for k in ("max_len", "dim", "blocks", "heads", "dropout")} | {"num_items": n}
+    atomic_write(os.path.join(save_dir, "sasrec.pt"),
+                 lambda t: torch.save({"state_dict": best_state, "config": config}, t))
+    atomic_write(os.path.join(save_dir, "eval_test.json"), lambda t: open(t, "w").write(json.dumps(res, indent=2)))
+    for proto in ("exclude", "keep"):
+        r = res[f"{proto}_history"]
+        print(f"\ntest, history items {'excluded' if proto == 'exclude' else 'kept'} ({proto}_history):")
+        print(ev.markdown_table([(f"SASRec (all, n={len(seqs)})", r["model"]), ("most popular (all)", r["most_popular"]),
+                                 (f"SASRec (cold <= {args.cold_max}, n={res['cold_users']})", r["cold_model"]),
+                                 ("most popular (cold)", r["cold_most_popular"])]))
+    print(f"wrote {os.path.join(save_dir, 'eval_test.json')}  ({time.time() - t0:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()

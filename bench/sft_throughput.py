@@ -1,0 +1,104 @@
+"""Benchmark (not a test): SFT throughput of 05_sft.py's objectives, side by side in one run.
+
+Same model, same machine, same optimizer (AdamW over every parameter): for each configuration, a few
+optimizer steps on the first batches of the seeded example stream, timed after one warm-up step.
+  prompt   : one instruction row per target item (the LC-Rec / GTI format), --prompt-batch rows a step
+  sequence : windows of <= max_history + 1 items, every item after the first a target, --batch rows a step
+each with --softmax full (the 49k-wide head on every supervised position) and level (the level's codes
+only), in float32 and, on CPUs with native bf16 (or CUDA), under bf16 autocast.
+Prints seconds per step and supervised target items per second; last line
+`sequence vs prompt: X.Xx target items/s` (both at 05's default softmax and dtype).
+
+CPU:  python bench/sft_throughput.py --model out/ml-100k/models/centroid+gti
+GPU:  python bench/sft_throughput.py --model out/ml-100k/models/centroid+gti --device cuda --batch 64 --prompt-batch 128
+"""
+import dataclasses
+import importlib.util
+import os
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("sft05", os.path.join(REPO, "05_sft.py"))
+sft = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sft)                 # reuse 05's loader, examples, collate and loss (not a numbered step)
+
+
+@dataclasses.dataclass
+class Args:
+    model: str = "out/ml-100k/models/centroid+gti"
+    """a model folder with SID tokens (03/04 output)"""
+    out_dir: str = ""
+    """artifacts folder (default: two levels above --model)"""
+    batch: int = 8
+    """sequence windows per step (05's default --batch-size)"""
+    prompt_batch: int = 16
+    """instruction rows per step for the prompt objective (05's former default)"""
+    steps: int = 3
+    """timed steps per configuration (after one warm-up step)"""
+    max_history: int = 20
+    """history items (05's default)"""
+    device: str = "cpu"
+    """cpu | cuda | auto"""
+
+
+sft.Args = Args                               # 05's CLI builder reads the fields and docstrings of sft.Args
+
+
+def main():
+    args = sft.parse_args()
+    device = sft.pick_device(args.device)
+    out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
+    model, tok, vocab, data, item_tok = sft.load_sid_model(args.model, out_dir)
+    model.to(device).train()
+    level_tok = [torch.tensor(t) for t in vocab["token_ids"]]
+    state0 = {k: v.clone() for k, v in model.state_dict().items()}
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    train, valid = data["train"], data["valid"].tolist()
+    dtypes = ["float32"] + (["bfloat16"] if "bf16" in sft.pick_autocast("auto", device)[1] else [])
+    default_dtype = dtypes[-1]
+    print(f"device {device}  threads {torch.get_num_threads()}  dtypes {dtypes}  model {args.model}")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    res = {}
+    for objective in ("prompt", "sequence"):
+        rec, _ = sft.build_examples(train, len(item_tok), objective, args.max_history, 0.0, 0)
+        enc = sft.Encoder(tok, sft.TEMPLATES[objective], objective, item_tok, data["texts"], train, valid,
+                          args.max_history)
+        size = args.prompt_batch if objective == "prompt" else args.batch
+        batches = [sft.collate([enc(rec[i]) for i in sft.stream_batch(len(rec), s * size, size, 0, {})], pad)
+                   for s in range(args.steps + 1)]
+        for softmax in ("full", "level"):
+            for dtype in dtypes:
+                model.load_state_dict(state0)                                  # same start for every config
+                loss_model = sft.SIDLoss(model, softmax, level_tok).to(device)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+                ctx = sft.pick_autocast(dtype, device)[0]
+                items, t = 0, 0.0
+                for s, batch in enumerate(batches):
+                    ids, mask, pos, labels = (x.to(device) for x in batch)
+                    sync()
+                    t0 = time.perf_counter()
+                    with ctx:
+                        loss, hits = loss_model(ids, mask, pos, labels)
+                    (loss / len(hits)).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    sync()
+                    if s > 0:                                                   # step 0 warms up
+                        t += time.perf_counter() - t0
+                        items += len(hits) // (len(vocab["level_names"]) + (objective == "prompt"))
+                res[objective, softmax, dtype] = items / t
+                print(f"{objective:8s} softmax {softmax:5s} {dtype:8s}  {t / args.steps:6.2f} s/step  "
+                      f"{items // args.steps:4d} target items/step  {items / t:7.1f} target items/s")
+    print(f"sequence vs prompt at softmax full, {default_dtype}: "
+          f"{res['sequence', 'full', default_dtype] / res['prompt', 'full', default_dtype]:.1f}x; "
+          f"05's default (sequence, level, {default_dtype}) vs the former default (prompt, full, float32): "
+          f"{res['sequence', 'level', default_dtype] / res['prompt', 'full', 'float32']:.1f}x")
+    print(f"sequence vs prompt: {res['sequence', 'level', default_dtype] / res['prompt', 'level', default_dtype]:.1f}x "
+          "target items/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
