@@ -17,10 +17,11 @@ measures both). Duplicates are impossible: each beam is a distinct trie node and
 Beam search is an approximate top-K: a prefix pruned at an early level can hold an item that scores higher
 than the B items kept (with B = number of items it is exhaustive; the tests check that case).
 
-Protocols: --exclude-history (default) ranks only items the user has not seen, for the model (inside the
-search: a trie node whose items were all seen is pruned at its level, so it never takes a beam slot) and
-for most-popular alike: the RecBole full-sort protocol. --no-exclude-history ranks every item (the
-TIGER-style protocol of the Amazon Beauty papers). Every output says which protocol made it.
+Protocols (--protocol, default both): "history excluded" ranks only items the user has not seen, for the
+model (inside the search: a trie node whose items were all seen is pruned at its level, so it never takes a
+beam slot) and for most-popular alike: the RecBole full-sort protocol. "history kept" ranks every item (the
+TIGER-style protocol of the Amazon Beauty papers). Both share each batch's prefill (its KV cache is copied).
+Every output says which protocol made it.
 Prompt: the template in <model>/sft_config.json (written by 05; 05's prompt-objective default when absent)
 over the last --max-history items. Test split: history = sequence[:-1] (train part + validation item),
 target = last item; --split valid: history = train part, target = validation item. Cold targets: items
@@ -29,12 +30,11 @@ seen <= --cold-max times in the train parts. model - most-popular differences co
 
 Reads:  <model>/ (HF folder + sid_vocab.json [+ sft_config.json]), <out-dir>/dataset.pt, sids.npy,
         [<out-dir>/sasrec/eval_<split>.json]. Default --out-dir: two levels above --model.
-Writes: <model>/eval_<split>.json (history excluded) or eval_<split>_keep.json (history kept): metrics,
+Writes: <model>/eval_<split>.json (history excluded) and/or eval_<split>_keep.json (history kept): metrics,
         cold metrics + count, most-popular, bootstrap intervals, seconds; beside it <name>_topk.npy
         (int64 [U, beam], item indices best first; -1 = no more valid SIDs).
 
-CPU:  python 06_eval.py --model out/ml-100k/models/centroid+gti+sft                (943 users, beam 20)
-      python 06_eval.py --model out/ml-100k/models/centroid+gti+sft --no-exclude-history
+CPU:  python 06_eval.py --model out/ml-100k/models/centroid+gti+sft          (943 users, beam 20, both protocols)
 GPU:  python 06_eval.py --model out/ml-100k/models/centroid+gti+sft --device cuda --batch-size 128
 Good run prints a markdown table: model vs most-popular (vs SASRec), all users and cold targets.
 """
@@ -61,7 +61,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched fro
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-import math  # noqa: E402  (step-specific imports)
+import copy  # noqa: E402  (step-specific imports)
+import math  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
@@ -89,9 +90,10 @@ class Args:
     """evaluate only the first N users (0: all)"""
     device: str = "auto"
     """auto | cpu | cuda | mps"""
-    exclude_history: bool = True
-    """rank only items the user has not seen (RecBole full-sort protocol; in the search for the model, and for
-    most-popular); --no-exclude-history keeps them (the TIGER-style protocol of the Amazon papers)"""
+    protocol: str = "both"
+    """excluded (rank only items the user has not seen: RecBole's full-sort protocol, in the search for the
+    model and for most-popular alike) | kept (the TIGER-style protocol of the Amazon papers) | both (one
+    prefill per batch serves both searches)"""
     dtype: str = "auto"
     """auto (bf16 autocast of the LM body on CUDA and on CPUs with native bf16) | float32 | bfloat16;
     weights, head and log-softmax stay fp32"""
@@ -327,17 +329,24 @@ def left_pad(prompts, pad_id, device):
 
 
 @torch.no_grad()
-def beam_search(model, prompts, scorer, nxt, beam: int, pad_id: int, alive=None, ctx=nullcontext()):
-    """prompts: list of B token-id lists; scorer: LevelScorer; nxt: build_trie's tables; alive: optional
-    unseen_masks (history exclusion). The LM body may run under autocast (ctx); the head and the
-    log-softmax run in fp32. Returns items (B, beam) best first (-1: fewer valid SIDs) and their scores."""
-    dev, body = model.device, model.base_model
-    ids, mask = left_pad(prompts, pad_id, dev)                               # (B, P)
-    B = ids.shape[0]
+def prefill(model, prompts, pad_id: int, ctx=nullcontext()):
+    """One forward over the left-padded prompts: (KV cache, last hidden state (B, d), attention mask (B, P))."""
+    ids, mask = left_pad(prompts, pad_id, model.device)                      # (B, P)
     pos = (mask.cumsum(1) - 1).clamp(min=0)                                  # positions ignore the left pad
     with ctx:
-        out = body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    cache, h = out.cache, out.last_hidden_state[:, -1]                       # (B, d)
+        out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    return out.cache, out.last_hidden_state[:, -1], mask
+
+
+@torch.no_grad()
+def beam_search(model, prompts, scorer, nxt, beam: int, pad_id: int, alive=None, ctx=nullcontext(), start=None):
+    """prompts: list of B token-id lists; scorer: LevelScorer; nxt: build_trie's tables; alive: optional
+    unseen_masks (history exclusion); start: prefill()'s output if already computed (it is consumed).
+    The LM body may run under autocast (ctx); the head and the log-softmax run in fp32.
+    Returns items (B, beam) best first (-1: fewer valid SIDs) and their scores."""
+    dev = model.device
+    cache, h, mask = start if start is not None else prefill(model, prompts, pad_id, ctx)
+    B = h.shape[0]
     first = mask.sum(1, keepdim=True)                                        # (B, 1) position of SID token 0
     scores = torch.zeros(B, 1, device=dev)                                   # (B, nb) summed log-probs
     nodes = torch.zeros(B, 1, dtype=torch.long, device=dev)                  # (B, nb) trie node per beam
@@ -367,24 +376,31 @@ def beam_search(model, prompts, scorer, nxt, beam: int, pad_id: int, alive=None,
         token = scorer.tok[l].clamp(min=0)[idx % K].view(B * beam, 1)        # (B*beam, 1) chosen SID token
         mask = torch.cat([mask, mask.new_ones(B * beam, 1)], 1)
         with ctx:
-            out = body(input_ids=token, attention_mask=mask, position_ids=first + l, cache=cache, use_cache=True)
+            out = model.base_model(input_ids=token, attention_mask=mask, position_ids=first + l, cache=cache,
+                                   use_cache=True)
         h = out.last_hidden_state[:, -1]                                     # (B*beam, d)
     return nodes, scores
 
 
 def rank_all(model, prompts, scorer, nxt, beam, pad_id, batch_size, histories=None, paths=None,
-             ctx=nullcontext(), progress=True):
-    """Beam search over all prompts in batches of similar length; returns (U, beam) items and scores.
-    With histories (and paths = trie_paths), each user's seen items are excluded inside the search."""
+             excludes=(False,), ctx=nullcontext(), progress=True):
+    """Beam search over all prompts in batches of similar length, once per protocol in `excludes` (True:
+    each user's seen items, from histories + paths = trie_paths, are excluded inside the search). The
+    protocols share each batch's prefill (the cache is copied). Returns one (items, scores) pair of
+    (U, beam) tensors per protocol."""
     order = sorted(range(len(prompts)), key=lambda u: len(prompts[u]))
-    items = torch.full((len(prompts), beam), -1, dtype=torch.long)
-    scores = torch.full((len(prompts), beam), -math.inf)
+    out = [(torch.full((len(prompts), beam), -1, dtype=torch.long), torch.full((len(prompts), beam), -math.inf))
+           for _ in excludes]
     for s in tqdm(range(0, len(order), batch_size), desc="beam search", leave=False, disable=not progress):
         us = order[s:s + batch_size]
-        alive = unseen_masks(paths, [histories[u] for u in us]) if histories is not None else None
-        it, sc = beam_search(model, [prompts[u] for u in us], scorer, nxt, beam, pad_id, alive, ctx)
-        items[us], scores[us] = it.cpu(), sc.cpu()
-    return items, scores
+        batch = [prompts[u] for u in us]
+        start = prefill(model, batch, pad_id, ctx)
+        for p, exclude in enumerate(excludes):
+            alive = unseen_masks(paths, [histories[u] for u in us]) if exclude else None
+            mine = start if p == len(excludes) - 1 else (copy.deepcopy(start[0]), *start[1:])
+            it, sc = beam_search(model, batch, scorer, nxt, beam, pad_id, alive, ctx, start=mine)
+            out[p][0][us], out[p][1][us] = it.cpu(), sc.cpu()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -437,19 +453,55 @@ def markdown_table(rows):
 # ---------------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------------
+def report(args, protocol, exclude, topk, targets, histories, pop, out_dir, extra):
+    """Metrics of one protocol: model, most-popular (same protocol), SASRec if scored, cold targets; the
+    paired bootstrap of model - most-popular; eval_<split>[_keep].json + _topk.npy; the printed table."""
+    pop_topk = popular_topk(pop, histories, args.beam, exclude)
+    cold = pop[targets] <= args.cold_max
+    ours, popular = per_user_metrics(topk, targets), per_user_metrics(pop_topk, targets)
+    res = {
+        "split": args.split, "protocol": protocol, "exclude_history": exclude, **extra,
+        "model": rank_metrics(topk, targets), "most_popular": rank_metrics(pop_topk, targets),
+        "model_minus_most_popular": {k: paired_bootstrap(ours[k], popular[k]) for k in ours},
+        "cold_max": args.cold_max, "cold_users": int(cold.sum()),
+        "cold_model": rank_metrics(topk[cold], targets[cold]),
+        "cold_most_popular": rank_metrics(pop_topk[cold], targets[cold]),
+        "targets_in_history": int(sum(t in set(h) for t, h in zip(targets.tolist(), histories))),
+    }
+    rows = [(f"model (all, n={len(targets)})", res["model"]), ("most popular (all)", res["most_popular"])]
+    sasrec = os.path.join(out_dir, "sasrec", f"eval_{args.split}.json")      # baselines/sasrec.py, same protocol
+    key = "exclude_history" if exclude else "keep_history"
+    ref = json.load(open(sasrec)) if os.path.exists(sasrec) else {}
+    if ref.get("users") == len(targets) and key in ref:
+        res["sasrec"], res["cold_sasrec"] = ref[key]["model"], ref[key]["cold_model"]
+        rows.append(("SASRec (all)", res["sasrec"]))
+    rows += [(f"model (cold <= {args.cold_max}, n={res['cold_users']})", res["cold_model"]),
+             ("most popular (cold)", res["cold_most_popular"])]
+    if "cold_sasrec" in res:
+        rows.append(("SASRec (cold)", res["cold_sasrec"]))
+    name = f"eval_{args.split}" + ("" if exclude else "_keep")
+    atomic_write(os.path.join(args.model, f"{name}.json"), lambda t: open(t, "w").write(json.dumps(res, indent=2)))
+    atomic_write(os.path.join(args.model, f"{name}_topk.npy"), lambda t: np.save(open(t, "wb"), topk))
+    print(f"\n{protocol}, {args.split} split:")
+    print(markdown_table(rows))
+    d = {k: v for k, v in res["model_minus_most_popular"].items() if k.endswith("@10")} or res["model_minus_most_popular"]
+    print("model - most popular (mean, 95% paired bootstrap over users): "
+          + ", ".join(f"{k} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" for k, v in d.items()))
+    print(f"wrote {os.path.join(args.model, name + '.json')}")
+
+
 def main():
     args = parse_args()
     seed_everything(args.seed)
-    if args.split not in ("test", "valid"):
-        die(f"unknown --split {args.split!r}; use test|valid")
+    if args.split not in ("test", "valid") or args.protocol not in ("excluded", "kept", "both"):
+        die(f"--split {args.split} --protocol {args.protocol}: use test|valid and excluded|kept|both")
     if args.beam < 1 or args.batch_size < 1 or args.users < 0 or args.max_history < 0:
         die("--beam and --batch-size must be >= 1, --users and --max-history >= 0")
     device = pick_device(args.device)
     ctx, dtype_note = pick_autocast(args.dtype, device)
     out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
-    protocol = "history excluded" if args.exclude_history else "history kept"
-    print(f"device {device}  {dtype_note} (head + log-softmax fp32)  model {args.model}  split {args.split}  "
-          f"{protocol}")
+    excludes = {"excluded": [True], "kept": [False], "both": [True, False]}[args.protocol]
+    print(f"device {device}  {dtype_note} (head + log-softmax fp32)  model {args.model}  split {args.split}")
     t0 = time.time()
     model, tok, vocab, data, sids, item_tok, sft_cfg = load_sid_model(args.model, out_dir, device)
     template = sft_cfg.get("template", DEFAULT_TEMPLATE)
@@ -469,47 +521,17 @@ def main():
           f"prompt tokens mean {np.mean([len(p) for p in prompts]):.0f}")
 
     t1 = time.time()
-    items, scores = rank_all(model, prompts, scorer, nxt, args.beam, pad_id, args.batch_size,
-                             histories if args.exclude_history else None, paths, ctx)
+    ranked = rank_all(model, prompts, scorer, nxt, args.beam, pad_id, args.batch_size, histories, paths,
+                      excludes, ctx)
     search_s = time.time() - t1
-    topk = items.numpy()
-    pop = data["popularity"].numpy()
-    pop_topk = popular_topk(pop, histories, args.beam, args.exclude_history)
-    cold = pop[targets] <= args.cold_max
-    ours, popular = per_user_metrics(topk, targets), per_user_metrics(pop_topk, targets)
-    res = {
-        "split": args.split, "protocol": protocol, "exclude_history": args.exclude_history,
-        "users": len(prompts), "beam": args.beam, "max_history": max_history, "template": template,
-        "softmax": softmax, "model": rank_metrics(topk, targets), "most_popular": rank_metrics(pop_topk, targets),
-        "model_minus_most_popular": {k: paired_bootstrap(ours[k], popular[k]) for k in ours},
-        "cold_max": args.cold_max, "cold_users": int(cold.sum()),
-        "cold_model": rank_metrics(topk[cold], targets[cold]),
-        "cold_most_popular": rank_metrics(pop_topk[cold], targets[cold]),
-        "targets_in_history": int(sum(t in set(h) for t, h in zip(targets.tolist(), histories))),
-        "search_seconds": round(search_s, 2), "seconds": round(time.time() - t0, 2), "autocast": dtype_note,
-    }
-    rows = [(f"model (all, n={len(prompts)})", res["model"]), ("most popular (all)", res["most_popular"])]
-    sasrec = os.path.join(out_dir, "sasrec", f"eval_{args.split}.json")      # baselines/sasrec.py, same protocol
-    if os.path.exists(sasrec):
-        ref = json.load(open(sasrec))
-        key = "exclude_history" if args.exclude_history else "keep_history"
-        if ref.get("users") == len(prompts) and key in ref:
-            res["sasrec"], res["cold_sasrec"] = ref[key]["model"], ref[key]["cold_model"]
-            rows.append(("SASRec (all)", res["sasrec"]))
-    rows += [(f"model (cold <= {args.cold_max}, n={res['cold_users']})", res["cold_model"]),
-             ("most popular (cold)", res["cold_most_popular"])]
-    if "cold_sasrec" in res:
-        rows.append(("SASRec (cold)", res["cold_sasrec"]))
-    name = f"eval_{args.split}" + ("" if args.exclude_history else "_keep")
-    atomic_write(os.path.join(args.model, f"{name}.json"), lambda t: open(t, "w").write(json.dumps(res, indent=2)))
-    atomic_write(os.path.join(args.model, f"{name}_topk.npy"), lambda t: np.save(open(t, "wb"), topk))
-    print(f"beam search {search_s:.1f}s for {len(prompts)} users ({1000 * search_s / len(prompts):.0f} ms/user)")
-    print(f"{protocol}, {args.split} split:")
-    print(markdown_table(rows))
-    d = {k: v for k, v in res["model_minus_most_popular"].items() if k.endswith("@10")} or res["model_minus_most_popular"]
-    print("model - most popular (mean, 95% paired bootstrap over users): "
-          + ", ".join(f"{k} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" for k, v in d.items()))
-    print(f"wrote {os.path.join(args.model, name + '.json')}")
+    print(f"beam search {search_s:.1f}s for {len(prompts)} users x {len(excludes)} protocol(s) "
+          f"({1000 * search_s / len(prompts):.0f} ms/user)")
+    extra = {"users": len(prompts), "beam": args.beam, "max_history": max_history, "template": template,
+             "softmax": softmax, "search_seconds_all_protocols": round(search_s, 2),
+             "seconds": round(time.time() - t0, 2), "autocast": dtype_note}
+    for exclude, (items, _) in zip(excludes, ranked):
+        report(args, "history excluded" if exclude else "history kept", exclude, items.numpy(), targets,
+               histories, data["popularity"].numpy(), out_dir, extra)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ BACKBONE = models/SmolLM2-135M-Instruct
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup run test study study-gpu study-why bench clean
+.PHONY: setup run test study study-gpu study-why bench bench-sft clean
 setup: .venv/.installed $(BACKBONE)/config.json data/ml-100k/ml-100k.inter
 
 .venv/.installed: requirements.txt
@@ -27,19 +27,25 @@ data/ml-100k/ml-100k.inter: .venv/.installed scripts/get_ml100k.py
 test: setup
 	$(PY) -m pytest -q tests
 
-# The pipeline on CPU: every step once, the SFT/eval chain on centroid init + GTI grounding.
+# The pipeline on CPU: every step once, the SFT/eval chain on centroid init + GTI grounding, the SASRec
+# reference, then 06 under both protocols (history excluded and kept, one search pass each) and 07.
 run: setup
 	$(PY) 01_embed_items.py --dataset $(DATASET) --out-dir $(OUT)
 	$(PY) 02_rqvae.py --out-dir $(OUT)
 	$(PY) 03_expand_vocab.py --out-dir $(OUT) --model $(BACKBONE) --init all
 	$(PY) 04_ground.py --out-dir $(OUT) --model $(OUT)/models/centroid
 	$(PY) 05_sft.py --out-dir $(OUT) --model $(OUT)/models/centroid+gti
+	$(PY) baselines/sasrec.py --out-dir $(OUT)
 	$(PY) 06_eval.py --out-dir $(OUT) --model $(OUT)/models/centroid+gti+sft
 	$(PY) 07_diagnose.py --out-dir $(OUT) --models random,mean,centroid,shuffled,centroid+gti,centroid+gti+sft
 
 # Beam-search benchmark (needs `make run` or at least 01-03): ours vs generate(num_beams) vs forward floor.
 bench: setup
 	$(PY) bench/beam_search.py --model $(OUT)/models/centroid --users 16 --beam 20
+
+# SFT throughput: prompt vs sequence objective, full vs level softmax, fp32 vs bf16 (needs 01-04).
+bench-sft: setup
+	$(PY) bench/sft_throughput.py --model $(OUT)/models/centroid+gti
 
 clean:
 	rm -rf out

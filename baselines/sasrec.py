@@ -20,7 +20,7 @@ training stops after --patience evaluations without improvement.
 Test: history = sequence[:-1] (train part + valid item), its last --max-len items are fed to the model,
 target = test item, full ranking over all N items, top-20 lists under two protocols:
     exclude: items of the user's history get -inf before the top-K (RecBole's full-sort protocol)
-    keep:    nothing removed (06_eval.py's protocol for the SID models)
+    keep:    nothing removed (06_eval.py --no-exclude-history; the TIGER-style protocol)
 (-1 in a list = fewer than 20 items left after the exclusion.) Cold targets: test items seen <= --cold-max
 times in the train parts (as in 06).
 

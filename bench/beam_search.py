@@ -141,8 +141,8 @@ def main():
     ev.beam_search(model, prompts[:2], scorer, nxt, args.beam, pad, ctx=ctx)       # warm-up
     t_ours, t_floor = math.inf, math.inf
     for _ in range(args.repeats):
-        t, (items, scores) = timed(lambda: ev.rank_all(model, prompts, scorer, nxt, args.beam, pad,
-                                                       args.batch_size, ctx=ctx, progress=False))
+        t, [(items, scores)] = timed(lambda: ev.rank_all(model, prompts, scorer, nxt, args.beam, pad,
+                                                         args.batch_size, ctx=ctx, progress=False))
         t_ours = min(t_ours, t)
         t_floor = min(t_floor, timed(lambda: forward_floor(model, prompts, L, args.beam, pad, args.batch_size))[0])
     print(f"ours (trie beam search)     {t_ours:8.2f} s   {1000 * t_ours / len(prompts):7.1f} ms/user")

@@ -50,11 +50,19 @@ def brute_force(model, prompt, item_tok, vocab=None, softmax="full"):
 def test_beam_search_equals_brute_force(sid_setup, softmax):
     ev = load_script("06_eval.py")
     out, _, model_dir = sid_setup
-    model, tok, item_tok, prompts, scorer, nxt, _, _, vocab = prepared(ev, out, model_dir, softmax=softmax)
+    model, tok, item_tok, prompts, scorer, nxt, histories, paths, vocab = prepared(ev, out, model_dir,
+                                                                                    softmax=softmax)
     n = item_tok.shape[0]
     # prompts of different lengths in one batch: left padding must not change any score
     assert len({len(p) for p in prompts}) > 1
     items, scores = ev.beam_search(model, prompts, scorer, nxt, beam=n, pad_id=tok.eos_token_id)
+    # both protocols from one prefill (a copied cache) = two separate searches
+    both = ev.rank_all(model, prompts, scorer, nxt, 5, tok.eos_token_id, 8, histories, paths, (True, False),
+                       progress=False)
+    for exclude, (it, sc) in zip((True, False), both):
+        one = ev.rank_all(model, prompts, scorer, nxt, 5, tok.eos_token_id, 8, histories, paths, (exclude,),
+                          progress=False)[0]
+        assert torch.equal(it, one[0]) and torch.equal(sc, one[1])
     for b, p in enumerate(prompts):
         ref = brute_force(model, p, item_tok, vocab, softmax)
         ref_order = torch.argsort(ref, descending=True, stable=True)
@@ -74,7 +82,7 @@ def test_history_exclusion_inside_the_search(sid_setup):
     n = item_tok.shape[0]
     for beam in (n, 5, 1):
         items, scores = ev.rank_all(model, prompts, scorer, nxt, beam, tok.eos_token_id, 4, histories, paths,
-                                    progress=False)
+                                    (True,), progress=False)[0]
         for u, h in enumerate(histories):
             unseen = sorted(set(range(n)) - set(h))
             got = [i for i in items[u].tolist() if i >= 0]
@@ -146,15 +154,15 @@ def test_metrics_by_hand():
 def test_eval_end_to_end_and_bad_input(sid_setup, tmp_path):
     out, tiny, model_dir = sid_setup
     r = run("06_eval.py", "--model", model_dir, "--beam", "20", "--batch-size", "16", "--split", "valid",
-            "--no-exclude-history")
+            "--protocol", "kept")
     res = json.load(open(os.path.join(model_dir, "eval_valid_keep.json")))
     topk = np.load(os.path.join(model_dir, "eval_valid_keep_topk.npy"))
     assert res["protocol"] == "history kept"
-    run("06_eval.py", "--model", model_dir, "--beam", "10", "--users", "8")          # default: history excluded
+    run("06_eval.py", "--model", model_dir, "--beam", "10", "--users", "8", "--protocol", "excluded")
     ex = json.load(open(os.path.join(model_dir, "eval_test.json")))
     seen = np.load(os.path.join(model_dir, "eval_test_topk.npy"))
     data = torch.load(os.path.join(out, "dataset.pt"), weights_only=True)
-    assert ex["protocol"] == "history excluded" and ex["users"] == 8 and len(ex["model_minus_most_popular"]) == 7
+    assert ex["protocol"] == "history excluded" and ex["users"] == 8 and len(ex["model_minus_most_popular"]) == 5   # beam 10: @1 @5 @10
     assert not any(set(seen[u].tolist()) & set(data["sequences"][u][:-1]) for u in range(8))
     assert topk.shape == (40, 20) and res["users"] == 40 and "| most popular (all) |" in r.stdout
     # recompute the metrics from the saved lists: the json is what the lists say
