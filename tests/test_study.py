@@ -35,7 +35,7 @@ def fake_run(work, v, seed, best, recall):
               open(os.path.join(final, "05_sft.json"), "w"))
     m = {"recall@5": recall, "recall@10": recall, "recall@20": recall, "ndcg@10": recall / 2}
     json.dump({"model": m, "most_popular": {k: 0.05 for k in m}, "cold_users": 3, "cold_model": {"recall@10": 0.0},
-               "cold_most_popular": {"recall@10": 0.0}}, open(os.path.join(final, "eval_test.json"), "w"))
+               "cold_most_popular": {"recall@10": 0.0}}, open(os.path.join(final, "eval_test_keep.json"), "w"))
 
 
 def test_report_table(tmp_path):
