@@ -305,7 +305,8 @@ def main():
     for w in trained:
         w.requires_grad_(True)
         mask_row_grads(w, new_ids.to(device))
-    opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
+                            fused=device.type in ("cuda", "cpu"))                # fused: one kernel per step
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / args.warmup if s < args.warmup else
                                               0.5 * (1 + math.cos(math.pi * (s - args.warmup) /
                                                                   max(1, args.steps - args.warmup))))

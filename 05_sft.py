@@ -98,7 +98,7 @@ class Args:
     """mix in LC-Rec-style item text -> SID and SID -> item text examples"""
     aux_ratio: float = 0.25
     """auxiliary examples per recommendation example (a window or an instruction row; with --aux-tasks)"""
-    steps: int = 240
+    steps: int = 220
     """optimizer steps (the CPU default: fits `make run` in 20 min on 2 cores); ignored when --epochs > 0"""
     epochs: float = 0.0
     """passes over all examples (sets the number of steps; the GPU setting)"""
@@ -116,7 +116,7 @@ class Args:
     """AdamW weight decay"""
     clip: float = 1.0
     """gradient-norm clipping (0: off)"""
-    eval_every: int = 120
+    eval_every: int = 110
     """validation loss, best-model save and resume checkpoint every N steps"""
     val_examples: int = 128
     """validation examples (one per user, a fixed random subset; 0: all users)"""

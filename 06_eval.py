@@ -304,7 +304,11 @@ class LevelScorer:
         return F.linear(h.float(), self.head.weight[ids].float(), None if b is None else b.float())
 
     def __call__(self, h, l):
-        """h: (R, d) last hidden states -> (R, K_l) log p(code | prefix) in fp32; unused codes -inf."""
+        """h: (R, d) last hidden states -> (R, K_l) log p(code | prefix) in fp32 (autocast off); unused -inf."""
+        with torch.autocast(h.device.type, enabled=False):
+            return self.level_logp(h, l)
+
+    def level_logp(self, h, l):
         tok = self.tok[l]
         if self.softmax == "full":
             lp = self.head(h.float()).float().log_softmax(-1)[:, tok.clamp(min=0)]
@@ -391,15 +395,16 @@ def rank_all(model, prompts, scorer, nxt, beam, pad_id, batch_size, histories=No
     order = sorted(range(len(prompts)), key=lambda u: len(prompts[u]))
     out = [(torch.full((len(prompts), beam), -1, dtype=torch.long), torch.full((len(prompts), beam), -math.inf))
            for _ in excludes]
-    for s in tqdm(range(0, len(order), batch_size), desc="beam search", leave=False, disable=not progress):
-        us = order[s:s + batch_size]
-        batch = [prompts[u] for u in us]
-        start = prefill(model, batch, pad_id, ctx)
-        for p, exclude in enumerate(excludes):
-            alive = unseen_masks(paths, [histories[u] for u in us]) if exclude else None
-            mine = start if p == len(excludes) - 1 else (copy.deepcopy(start[0]), *start[1:])
-            it, sc = beam_search(model, batch, scorer, nxt, beam, pad_id, alive, ctx, start=mine)
-            out[p][0][us], out[p][1][us] = it.cpu(), sc.cpu()
+    with ctx:                            # one autocast region: the bf16 copies of the weights are made once
+        for s in tqdm(range(0, len(order), batch_size), desc="beam search", leave=False, disable=not progress):
+            us = order[s:s + batch_size]
+            batch = [prompts[u] for u in us]
+            start = prefill(model, batch, pad_id, ctx)
+            for p, exclude in enumerate(excludes):
+                alive = unseen_masks(paths, [histories[u] for u in us]) if exclude else None
+                mine = start if p == len(excludes) - 1 else (copy.deepcopy(start[0]), *start[1:])
+                it, sc = beam_search(model, batch, scorer, nxt, beam, pad_id, alive, ctx, start=mine)
+                out[p][0][us], out[p][1][us] = it.cpu(), sc.cpu()
     return out
 
 
