@@ -20,7 +20,8 @@ Reads:  <model> (03's folder, default <out-dir>/models/centroid, with sid_vocab.
 Writes: <save> (default <model>+gti): model + tokenizer (save_pretrained), sid_vocab.json (copied),
         04_ground.json (accuracy before/after, loss curve, seconds)
 
-CPU:  python 04_ground.py --model out/ml-100k/models/centroid   (ML-100K, 200 steps x 8: ~3.5 min on 2 idle cores)
+CPU:  python 04_ground.py --model out/ml-100k/models/centroid   (ML-100K, 200 steps x 8: 3.2 min on 2 idle cores,
+      bf16 autocast; `make run` passes --steps 120 to fit its 20-minute budget)
 GPU:  python 04_ground.py --model out/ml-100k/models/centroid --device cuda --steps 2000 --batch-size 64
 Good run: the loss falls (ML-100K centroid: 7.2 -> 3.0 over 200 steps), text->SID accuracy rises, and
   pretrained rows unchanged: True
