@@ -169,7 +169,7 @@ def save_npy(path: str, arr: np.ndarray):
 
 
 def load_eval06():
-    """06_eval.py by path (its name starts with a digit): rank_metrics and markdown_table come from there."""
+    """06_eval.py by path (its name starts with a digit): rank_metrics, popular_topk and markdown_table come from there."""
     spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -339,18 +339,12 @@ def main():
     seqs = data["sequences"][:args.users or None]
     histories, targets = [s[:-1] for s in seqs], test[:len(seqs)]
     cold = pop[targets] <= args.cold_max
-    pop_topk = np.broadcast_to(np.argsort(-pop, kind="stable")[:20], (len(seqs), min(20, n)))
     res = {"split": "test", "users": len(seqs), "cold_max": args.cold_max, "cold_users": int(cold.sum())}
     save_dir = os.path.join(args.out_dir, "sasrec")
     os.makedirs(save_dir, exist_ok=True)
     for proto, exclude in (("exclude", True), ("keep", False)):
         topk = rank(model, histories, args.max_len, 20, device, args.eval_batch, exclude)
-        ptk = pop_topk.copy()
-        if exclude:   # most popular under the same protocol: the 20 most popular items not in the history
-            ptk[:] = -1
-            for u, hs in enumerate(map(set, histories)):
-                row = [i for i in np.argsort(-pop, kind="stable") if i not in hs][:20]
-                ptk[u, :len(row)] = row
+        ptk = ev.popular_topk(pop, histories, min(20, n), exclude)    # most popular under the same protocol
         res[f"{proto}_history"] = {"model": ev.rank_metrics(topk, targets),
                                    "cold_model": ev.rank_metrics(topk[cold], targets[cold]),
                                    "most_popular": ev.rank_metrics(ptk, targets),
