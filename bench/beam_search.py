@@ -4,9 +4,12 @@ MiniOneRec decode; history kept, log-softmax over the whole vocabulary as genera
 forward passes any such search needs (the "forward floor": one prefill per
 user, the cache copied to the B beams, then one forward per later SID level over users x beams).
 
-Same model, same prompts (06's template over the test histories), same batches of users. Prints the three
+Then 06's certified-exact search (--search exact), and how often the top-K of a beam of width K (and of a
+wider beam, --wide) is the exact top-K.
+
+Same model, same prompts (06's template over the test histories), same batches of users. Prints the
 times, whether the top-K lists agree (up to exact score ties), and a last line
-`speedup vs generate: X.Xx, overhead vs forward floor: Y.YYx`.
+`speedup vs generate: X.Xx, overhead vs forward floor: Y.YYx, exact vs beam: Z.Zx time, P% of beam lists exact`.
 
 CPU:  python bench/beam_search.py --model out/ml-100k/models/centroid --users 16 --beam 20
       python bench/beam_search.py --model out/ml-100k/models/centroid --users 943 --beam 20 --no-generate
@@ -47,6 +50,8 @@ class Args:
     """cpu | cuda | mps | auto"""
     dtype: str = "float32"
     """float32 | auto | bfloat16 (autocast of the LM body; 06's rule)"""
+    wide: int = 80
+    """a wider beam whose top-K is also compared with the exact top-K"""
     repeats: int = 2
     """time ours and the floor this many times (interleaved) and keep the fastest"""
     max_history: int = 20
@@ -102,6 +107,17 @@ def hf_generate(model, prompts, item_tok, beam, pad_id, batch_size):
     return items, scores
 
 
+def overlap(a_items, a_scores, b_items, b_scores):
+    """Mean share of b's items that a's list holds, and the largest score change of an item in both lists
+    (the same item scored in batches of another shape: 0 in fp32 up to rounding, ~1e-3 nats under bf16)."""
+    share, diff = 0.0, 0.0
+    for ai, asc, bi, bsc in zip(a_items.tolist(), a_scores.tolist(), b_items.tolist(), b_scores.tolist()):
+        common = set(ai) & set(bi) - {-1}
+        share += len(common) / len(bi)
+        diff = max([diff] + [abs(asc[ai.index(i)] - bsc[bi.index(i)]) for i in common])
+    return share / len(a_items), diff
+
+
 def agreement(a_items, a_scores, b_items, b_scores, tol=1e-4):
     """Users whose lists are identical, and users whose score lists match position by position (within tol):
     those differ only in the order of, or choice among, items with equal scores."""
@@ -141,12 +157,31 @@ def main():
     ev.beam_search(model, prompts[:2], scorer, nxt, args.beam, pad, ctx=ctx)       # warm-up
     t_ours, t_floor = math.inf, math.inf
     for _ in range(args.repeats):
-        t, [(items, scores)] = timed(lambda: ev.rank_all(model, prompts, scorer, nxt, args.beam, pad,
-                                                         args.batch_size, ctx=ctx, progress=False))
+        t, [(items, scores, width)] = timed(lambda: ev.rank_all(model, prompts, scorer, nxt, args.beam, pad,
+                                                                args.batch_size, ctx=ctx, progress=False))
         t_ours = min(t_ours, t)
         t_floor = min(t_floor, timed(lambda: forward_floor(model, prompts, L, args.beam, pad, args.batch_size))[0])
     print(f"ours (trie beam search)     {t_ours:8.2f} s   {1000 * t_ours / len(prompts):7.1f} ms/user")
     print(f"forward floor               {t_floor:8.2f} s   {1000 * t_floor / len(prompts):7.1f} ms/user")
+
+    # exact top-K (06 --search exact) and how many beam lists it confirms, at width K and a wider beam
+    t_exact, [(x_items, x_scores, x_width)] = timed(lambda: ev.rank_all(
+        model, prompts, scorer, nxt, args.beam, pad, args.batch_size, ctx=ctx, progress=False, search="exact"))
+    widths = dict(zip(*[v.tolist() for v in x_width.unique(return_counts=True)]))
+    print(f"exact top-{args.beam} (certified)    {t_exact:8.2f} s   {1000 * t_exact / len(prompts):7.1f} ms/user   "
+          f"users per certifying width {widths}")
+    t_wide, [(w_items, w_scores, _)] = timed(lambda: ev.rank_all(
+        model, prompts, scorer, nxt, args.wide, pad, max(1, args.batch_size * args.beam // args.wide), ctx=ctx,
+        progress=False))
+    print(f"beam {args.wide:<4d} (top-{args.beam} kept)     {t_wide:8.2f} s   {1000 * t_wide / len(prompts):7.1f} ms/user")
+    share = {}
+    for B, (it, sc) in {args.beam: (items, scores), args.wide: (w_items, w_scores)}.items():
+        same, tie_ok, diff = agreement(it[:, :args.beam], sc[:, :args.beam], x_items, x_scores)
+        share[B] = 100 * tie_ok / len(prompts)
+        share_common, score_diff = overlap(it[:, :args.beam], sc[:, :args.beam], x_items, x_scores)
+        print(f"beam {B}: top-{args.beam} equals the exact list for {same}/{len(prompts)} users, {tie_ok}/{len(prompts)} up "
+              f"to score ties; mean overlap {share_common:.1%}; max |score change| of a shared item {score_diff:.1e}")
+    print(f"beam {args.beam}: certified exact by its own bound for {int((width > 0).sum())}/{len(prompts)} users")
     speed = "skipped"
     if args.generate:
         t_gen, (g_items, g_scores) = timed(lambda: hf_generate(model, prompts, item_tok, args.beam, pad,
@@ -156,7 +191,8 @@ def main():
         print(f"top-{args.beam} lists identical for {same}/{len(prompts)} users, {tie_ok}/{len(prompts)} up to "
               f"exact score ties; max |score difference| {diff:.2e}")
         speed = f"{t_gen / t_ours:.1f}x"
-    print(f"speedup vs generate: {speed}, overhead vs forward floor: {t_ours / t_floor:.2f}x")
+    print(f"speedup vs generate: {speed}, overhead vs forward floor: {t_ours / t_floor:.2f}x, "
+          f"exact vs beam: {t_exact / t_ours:.1f}x time, {share[args.beam]:.0f}% of beam lists exact")
 
 
 if __name__ == "__main__":

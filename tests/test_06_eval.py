@@ -1,5 +1,6 @@
 """06_eval.py: beam search == brute force, only valid SIDs, metrics by hand, bad input, end-to-end run."""
 import json
+import math
 import os
 import shutil
 
@@ -59,7 +60,7 @@ def test_beam_search_equals_brute_force(sid_setup, softmax):
     # both protocols from one prefill (a copied cache) = two separate searches
     both = ev.rank_all(model, prompts, scorer, nxt, 5, tok.eos_token_id, 8, histories, paths, (True, False),
                        progress=False)
-    for exclude, (it, sc) in zip((True, False), both):
+    for exclude, (it, sc, _) in zip((True, False), both):
         one = ev.rank_all(model, prompts, scorer, nxt, 5, tok.eos_token_id, 8, histories, paths, (exclude,),
                           progress=False)[0]
         assert torch.equal(it, one[0]) and torch.equal(sc, one[1])
@@ -69,6 +70,54 @@ def test_beam_search_equals_brute_force(sid_setup, softmax):
         assert torch.allclose(scores[b], ref[ref_order], atol=1e-4), (scores[b][:5], ref[ref_order][:5])
         assert torch.allclose(ref[items[b]], scores[b], atol=1e-4)          # each item carries its own score
         assert sorted(items[b].tolist()) == list(range(n))                 # every item exactly once
+
+
+@pytest.mark.parametrize("softmax", ["full", "level"])
+def test_exact_search_equals_brute_force_with_ties(sid_setup, softmax):
+    """--search exact returns brute force's top-k (score, then item index) for every user, under both
+    protocols, with exact score ties at the list boundary; a beam list certified exact is never wrong, and
+    some beam lists are not certified (so the check has something to catch)."""
+    ev = load_script("06_eval.py")
+    out, _, model_dir = sid_setup
+    model, tok, item_tok, prompts, scorer, nxt, histories, paths, vocab = prepared(ev, out, model_dir, users=16,
+                                                                                    softmax=softmax)
+    emb = model.get_input_embeddings().weight                        # tied with the head
+    sid = [t for lvl in vocab["token_ids"] for t in lvl if t >= 0]
+    lvl = [t for t in vocab["token_ids"][2] if t >= 0]
+    with torch.no_grad():            # large SID rows: scores spread over nats, not within 1e-4 as at init
+        emb[sid] = torch.randn(len(sid), emb.shape[1], generator=torch.Generator().manual_seed(0))
+        emb[lvl] = emb[lvl[0]].clone()             # one row for all codes of level 3: items differing only there tie
+    n, k = item_tok.shape[0], 5
+    ties = 0
+    for exclude in (False, True):
+        ex_items, ex_scores, ex_width = ev.rank_all(model, prompts, scorer, nxt, k, tok.eos_token_id, 4, histories,
+                                                    paths, (exclude,), progress=False, search="exact")[0]
+        bm_items, bm_scores, bm_width = ev.rank_all(model, prompts, scorer, nxt, k, tok.eos_token_id, 4, histories,
+                                                    paths, (exclude,), progress=False, search="beam")[0]
+        assert (ex_width >= k).all() and set(bm_width.tolist()) <= {0, k}
+        assert (bm_width == 0).any()                                  # beam search misses items here
+        for u, p in enumerate(prompts):
+            ref = brute_force(model, p, item_tok, vocab, softmax)
+            pool = torch.tensor([i for i in range(n) if not (exclude and i in set(histories[u]))])
+            top = ref[pool].sort(descending=True).values[:k]           # brute force's top-k scores
+            ties += int((ref[pool] - top[-1]).abs().lt(1e-4).sum()) > 1  # a tie at the list's boundary
+            must = pool[ref[pool] > top[-1] + 1e-4]                    # beats the k-th: must be listed
+            lists = [(ex_items[u], ex_scores[u])] + ([(bm_items[u], bm_scores[u])] if bm_width[u] else [])
+            for items, scores in lists:                               # a certified beam list must be exact too
+                assert len(set(items.tolist())) == k and set(items.tolist()) <= set(pool.tolist())
+                assert torch.allclose(scores, top, atol=1e-4) and torch.allclose(ref[items], top, atol=1e-4)
+                assert set(must.tolist()) <= set(items.tolist()), (u, exclude)
+    assert ties > 0                                                   # tied scores did reach the boundary
+
+
+def test_certificate_by_hand():
+    ev = load_script("06_eval.py")
+    scores = torch.tensor([[-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0], [-1.0, -math.inf]])
+    bound = torch.tensor([-2.5, -2.0, -1.5, -math.inf])
+    # 2nd best beats the best pruned: exact; a pruned tie or better: not; nothing pruned: exact
+    assert ev.certified(scores, bound, 2).tolist() == [True, False, False, True]
+    items, s = ev.by_score_then_index(torch.tensor([[4, 2, 7, -1]]), torch.tensor([[-1.0, -1.0, -0.5, -math.inf]]))
+    assert items.tolist() == [[7, 2, 4, -1]] and s.tolist() == [[-0.5, -1.0, -1.0, -math.inf]]
 
 
 def test_history_exclusion_inside_the_search(sid_setup):
@@ -81,8 +130,8 @@ def test_history_exclusion_inside_the_search(sid_setup):
     model, tok, item_tok, prompts, scorer, nxt, histories, paths, _ = prepared(ev, out, model_dir, users=12)
     n = item_tok.shape[0]
     for beam in (n, 5, 1):
-        items, scores = ev.rank_all(model, prompts, scorer, nxt, beam, tok.eos_token_id, 4, histories, paths,
-                                    (True,), progress=False)[0]
+        items, scores, _ = ev.rank_all(model, prompts, scorer, nxt, beam, tok.eos_token_id, 4, histories, paths,
+                                       (True,), progress=False)[0]
         for u, h in enumerate(histories):
             unseen = sorted(set(range(n)) - set(h))
             got = [i for i in items[u].tolist() if i >= 0]
@@ -187,6 +236,8 @@ def test_bench_agrees_with_generate(sid_setup):
     """bench/beam_search.py runs, and model.generate(num_beams) returns the same ranked lists (up to ties)."""
     out, _, model_dir = sid_setup
     r = run("bench/beam_search.py", "--model", model_dir, "--users", "4", "--beam", "5", "--batch-size", "2",
-            "--repeats", "1")
+            "--repeats", "1", "--wide", "10")
     assert "4/4 up to exact score ties" in r.stdout, r.stdout
-    assert r.stdout.strip().splitlines()[-1].startswith("speedup vs generate: ")
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("speedup vs generate: ") and " exact vs beam: " in last and "of beam lists exact" in last
+    assert "exact top-5 (certified)" in r.stdout and "beam 10: top-5 equals the exact list" in r.stdout
