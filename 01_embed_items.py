@@ -35,8 +35,6 @@ CPU:  python 01_embed_items.py --dataset ml-100k            (13 s on 2 idle core
 GPU:  python 01_embed_items.py --dataset amazon-beauty --device cuda --encoder lm --batch-size 256
 Good run (ml-100k) prints: "users 943  items 1682  interactions 100000" then "item_emb (1682, 384)".
 """
-from __future__ import annotations
-
 import argparse
 import ast
 import csv
@@ -72,17 +70,17 @@ class Args:
     """generic only: CSV user,item,timestamp (default: <data-dir>/interactions.csv)"""
     items: str = ""
     """generic only: CSV item,text[,category] (default: <data-dir>/items.csv)"""
-    k_core: NonNegative = 0
+    k_core: Annotated[int, ">= 0"] = 0
     """keep only users and items with >= k interactions, repeated until stable (0 = off)"""
-    max_users: NonNegative = 0
+    max_users: Annotated[int, ">= 0"] = 0
     """keep only the first N users (after sorting by id) for quick tests (0 = all)"""
     encoder: Literal["minilm", "lm"] = "minilm"
     """minilm (packaged all-MiniLM-L6-v2, d=384) or lm (the backbone's mean-pooled last hidden state)"""
     model: str = "models/SmolLM2-135M-Instruct"
     """--encoder lm: Hugging Face folder of the backbone"""
-    batch_size: Positive = 64
+    batch_size: Annotated[int, ">= 1"] = 64
     """texts per encoder forward pass"""
-    max_length: Positive = 128
+    max_length: Annotated[int, ">= 1"] = 128
     """truncate item texts to this many tokens"""
     out_dir: str = ""
     """artifacts folder (default: out/<dataset>)"""
@@ -379,12 +377,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched fro
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-# Types for Args fields: a Literal lists the allowed values (argparse `choices`, shown by --help); these
-# markers make parse_args reject a value below the bound with one line, e.g. `--batch-size 0`.
-Positive = Annotated[int, "positive"]            # a count that must be >= 1
-NonNegative = Annotated[int, "non-negative"]     # a count where 0 means "off" / "all"
-PositiveFloat = Annotated[float, "positive"]     # e.g. a learning rate
-
 
 def die(msg: str):
     """Bad input ends the run with one clear line on stderr and exit status 1."""
@@ -397,12 +389,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args): help = the docstring under each field, choices = a Literal's
-    values, --flag/--no-flag for booleans; Positive / NonNegative / PositiveFloat bounds are checked here."""
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
     src = ast.parse(inspect.getsource(Args)).body[0].body
     docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    hints = typing.get_type_hints(Args, include_extras=True)           # "Positive" -> Annotated[int, "positive"]
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
     p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
     bounds = {}
     for f in dataclasses.fields(Args):
@@ -416,11 +409,11 @@ def parse_args() -> Args:
         else:
             p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
     args = Args(**vars(p.parse_args()))
-    for name, bound in bounds.items():
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
         v = getattr(args, name)
-        if (bound == "non-negative" and v < 0) or (bound == "positive" and not v > 0):
-            p.error(f"argument --{name.replace('_', '-')}: must be {'>= 0' if bound == 'non-negative' else '> 0'}"
-                    f" (got {v})")
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
     return args
 
 

@@ -26,8 +26,6 @@ GPU:  python 02_rqvae.py --out-dir out/amazon-beauty --device cuda --batch-size 
 Good run (ml-100k) prints one line per interval, ending "step 1500 | loss 0.64 (quant 0.32) | recon_mse 8.4e-04 |
 ... | usage 1.00/1.00/1.00", then "collision rate 0.0202 (...; largest group 2) -> 0 duplicate SIDs after the suffix".
 """
-from __future__ import annotations
-
 import argparse
 import ast
 import dataclasses
@@ -56,33 +54,33 @@ class Args:
     """only picks the default --out-dir (out/<dataset>)"""
     out_dir: str = ""
     """artifacts folder with 01's item_emb.npy (default: out/<dataset>)"""
-    levels: Positive = 3
+    levels: Annotated[int, ">= 1"] = 3
     """L, number of residual quantization levels (the collision suffix adds one more)"""
-    codebook_size: NonNegative = 0
+    codebook_size: Annotated[int, ">= 0"] = 0
     """K codes per level (0 = auto: 64 for N <= 4096 items, else 256)"""
-    latent_dim: Positive = 32
+    latent_dim: Annotated[int, ">= 1"] = 32
     """D, width of the RQ-VAE latent"""
     hidden: str = "256,128"
     """encoder MLP widths (the decoder mirrors them)"""
-    steps: Positive = 1500
+    steps: Annotated[int, ">= 1"] = 1500
     """optimizer steps"""
-    batch_size: Positive = 512
+    batch_size: Annotated[int, ">= 1"] = 512
     """items per step (the first batch also seeds the k-means codebooks)"""
-    lr: PositiveFloat = 3e-3
+    lr: Annotated[float, "> 0"] = 3e-3
     """AdamW learning rate"""
     weight_decay: float = 1e-4
     """AdamW weight decay (MLP weights only, not the codebooks)"""
     beta: float = 0.25
     """commitment weight"""
-    kmeans_iters: NonNegative = 25
+    kmeans_iters: Annotated[int, ">= 0"] = 25
     """Lloyd iterations of the k-means codebook init"""
-    reseed_every: NonNegative = 100
+    reseed_every: Annotated[int, ">= 0"] = 100
     """re-seed codes unused for this many steps (0 = never)"""
-    log_every: Positive = 250
+    log_every: Annotated[int, ">= 1"] = 250
     """steps between log lines"""
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     """auto = cuda, else mps, else cpu"""
-    threads: NonNegative = 1
+    threads: Annotated[int, ">= 0"] = 1
     """CPU threads for torch (0 = torch's default; this small MLP runs fastest on 1, esp. on a busy machine)"""
     seed: int = 0
     """seeds random, numpy and torch"""
@@ -325,12 +323,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched fro
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-# Types for Args fields: a Literal lists the allowed values (argparse `choices`, shown by --help); these
-# markers make parse_args reject a value below the bound with one line, e.g. `--batch-size 0`.
-Positive = Annotated[int, "positive"]            # a count that must be >= 1
-NonNegative = Annotated[int, "non-negative"]     # a count where 0 means "off" / "all"
-PositiveFloat = Annotated[float, "positive"]     # e.g. a learning rate
-
 
 def die(msg: str):
     """Bad input ends the run with one clear line on stderr and exit status 1."""
@@ -343,12 +335,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args): help = the docstring under each field, choices = a Literal's
-    values, --flag/--no-flag for booleans; Positive / NonNegative / PositiveFloat bounds are checked here."""
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
     src = ast.parse(inspect.getsource(Args)).body[0].body
     docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    hints = typing.get_type_hints(Args, include_extras=True)           # "Positive" -> Annotated[int, "positive"]
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
     p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
     bounds = {}
     for f in dataclasses.fields(Args):
@@ -362,11 +355,11 @@ def parse_args() -> Args:
         else:
             p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
     args = Args(**vars(p.parse_args()))
-    for name, bound in bounds.items():
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
         v = getattr(args, name)
-        if (bound == "non-negative" and v < 0) or (bound == "positive" and not v > 0):
-            p.error(f"argument --{name.replace('_', '-')}: must be {'>= 0' if bound == 'non-negative' else '> 0'}"
-                    f" (got {v})")
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
     return args
 
 

@@ -29,8 +29,6 @@ Measured on ML-100K (centroid init, 64 held-out items, argmax within each level'
 30 steps: 0.00/0.05/0.00/0.45 -> 0.02/0.02/0.00/1.00 (only the suffix level is learned); 200 steps (the default):
 -> 0.11/0.08/0.06/1.00 against chance 0.016/0.016/0.016/0.5. More steps (GPU) ground the semantic levels further.
 """
-from __future__ import annotations
-
 import argparse
 import ast
 import dataclasses
@@ -63,23 +61,23 @@ class Args:
     """03's folder to ground (default: <out-dir>/models/centroid)"""
     save: str = ""
     """output folder (default: <model>+gti)"""
-    steps: Positive = 200
+    steps: Annotated[int, ">= 1"] = 200
     """optimizer steps (CPU default ~3.5 min on ML-100K)"""
-    batch_size: Positive = 8
+    batch_size: Annotated[int, ">= 1"] = 8
     """examples per step (text->SID and SID->text mixed)"""
-    lr: PositiveFloat = 1e-2
+    lr: Annotated[float, "> 0"] = 1e-2
     """peak learning rate of the new rows (AdamW; rows tolerate far more than full fine-tuning)"""
-    warmup: NonNegative = 10
+    warmup: Annotated[int, ">= 0"] = 10
     """linear warmup steps, then cosine decay to 0"""
     grad_clip: float = 1.0
     """clip the gradient norm of the trained rows (0 = off)"""
     holdout_frac: float = 0.1
     """fraction of items held out from grounding to measure text->SID accuracy"""
-    max_eval: NonNegative = 64
+    max_eval: Annotated[int, ">= 0"] = 64
     """held-out (and seen) items scored before/after at most"""
-    max_text_tokens: Positive = 48
+    max_text_tokens: Annotated[int, ">= 1"] = 48
     """truncate item texts to this many tokens"""
-    log_every: Positive = 25
+    log_every: Annotated[int, ">= 1"] = 25
     """steps per log line"""
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     """auto = cuda, else mps, else cpu"""
@@ -318,12 +316,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched fro
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-# Types for Args fields: a Literal lists the allowed values (argparse `choices`, shown by --help); these
-# markers make parse_args reject a value below the bound with one line, e.g. `--batch-size 0`.
-Positive = Annotated[int, "positive"]            # a count that must be >= 1
-NonNegative = Annotated[int, "non-negative"]     # a count where 0 means "off" / "all"
-PositiveFloat = Annotated[float, "positive"]     # e.g. a learning rate
-
 
 def die(msg: str):
     """Bad input ends the run with one clear line on stderr and exit status 1."""
@@ -336,12 +328,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args): help = the docstring under each field, choices = a Literal's
-    values, --flag/--no-flag for booleans; Positive / NonNegative / PositiveFloat bounds are checked here."""
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
     src = ast.parse(inspect.getsource(Args)).body[0].body
     docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    hints = typing.get_type_hints(Args, include_extras=True)           # "Positive" -> Annotated[int, "positive"]
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
     p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
     bounds = {}
     for f in dataclasses.fields(Args):
@@ -355,11 +348,11 @@ def parse_args() -> Args:
         else:
             p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
     args = Args(**vars(p.parse_args()))
-    for name, bound in bounds.items():
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
         v = getattr(args, name)
-        if (bound == "non-negative" and v < 0) or (bound == "positive" and not v > 0):
-            p.error(f"argument --{name.replace('_', '-')}: must be {'>= 0' if bound == 'non-negative' else '> 0'}"
-                    f" (got {v})")
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
     return args
 
 

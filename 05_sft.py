@@ -49,8 +49,6 @@ GPU (epochs over all ML-100K windows, bf16 autocast, larger batch):
 Good run prints one line per --log-every steps, e.g. "step 50/300 | loss 2.91 | lr 1.9e-04 | ...", the
 validation loss every --eval-every steps, and "best step ... val loss ..." at the end.
 """
-from __future__ import annotations
-
 import argparse
 import ast
 import dataclasses
@@ -87,7 +85,7 @@ class Args:
     """sequence: every item of a window is a target; prompt: one target per instruction row"""
     softmax: Literal["full", "sid", "level"] = "level"
     """normalize SID targets over the vocabulary (full), the SID tokens (sid), or the target's level (level)"""
-    max_history: Positive = 20
+    max_history: Annotated[int, ">= 1"] = 20
     """history items before a target (sequence: windows of max_history + 1 items)"""
     template: str = ""
     """prompt template with {history} (default: 'User history: {history}', plus '\nNext item:' for prompt)"""
@@ -95,35 +93,35 @@ class Args:
     """mix in LC-Rec-style item text -> SID and SID -> item text examples"""
     aux_ratio: float = 0.25
     """auxiliary examples per recommendation example (a window or an instruction row; with --aux-tasks)"""
-    steps: Positive = 220
+    steps: Annotated[int, ">= 1"] = 220
     """optimizer steps (the CPU default: fits `make run` in 20 min on 2 cores); ignored when --epochs > 0"""
     epochs: float = 0.0
     """passes over all examples (sets the number of steps; the GPU setting)"""
-    batch_size: Positive = 8
+    batch_size: Annotated[int, ">= 1"] = 8
     """examples per micro-step, over all processes together"""
-    grad_accum: Positive = 1
+    grad_accum: Annotated[int, ">= 1"] = 1
     """micro-steps per optimizer step"""
-    lr: PositiveFloat = 1e-3
+    lr: Annotated[float, "> 0"] = 1e-3
     """peak learning rate (AdamW)"""
     min_lr_frac: float = 0.1
     """cosine schedule ends at lr * min_lr_frac"""
-    warmup: NonNegative = 20
+    warmup: Annotated[int, ">= 0"] = 20
     """linear warmup steps"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     clip: float = 1.0
     """gradient-norm clipping (0: off)"""
-    eval_every: Positive = 110
+    eval_every: Annotated[int, ">= 1"] = 110
     """validation loss, best-model save and resume checkpoint every N steps"""
-    val_examples: NonNegative = 128
+    val_examples: Annotated[int, ">= 0"] = 128
     """validation examples (one per user, a fixed random subset; 0: all users)"""
-    log_every: Positive = 10
+    log_every: Annotated[int, ">= 1"] = 10
     """one log line every N steps"""
     resume: bool = False
     """continue from <save>.resume.pt (same arguments)"""
     resumable: bool = True
     """write <save>.resume.pt (model + optimizer state, ~3x the model) at each validation; --no-resumable skips it (short runs)"""
-    stop_at: NonNegative = 0
+    stop_at: Annotated[int, ">= 0"] = 0
     """stop abruptly after this step, as if killed (to test --resume); 0: off"""
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     """auto = cuda, else mps, else cpu (under torchrun: cuda if available, else gloo on cpu)"""
@@ -549,12 +547,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched fro
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-# Types for Args fields: a Literal lists the allowed values (argparse `choices`, shown by --help); these
-# markers make parse_args reject a value below the bound with one line, e.g. `--batch-size 0`.
-Positive = Annotated[int, "positive"]            # a count that must be >= 1
-NonNegative = Annotated[int, "non-negative"]     # a count where 0 means "off" / "all"
-PositiveFloat = Annotated[float, "positive"]     # e.g. a learning rate
-
 
 def die(msg: str):
     """Bad input ends the run with one clear line on stderr and exit status 1."""
@@ -567,12 +559,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args): help = the docstring under each field, choices = a Literal's
-    values, --flag/--no-flag for booleans; Positive / NonNegative / PositiveFloat bounds are checked here."""
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
     src = ast.parse(inspect.getsource(Args)).body[0].body
     docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    hints = typing.get_type_hints(Args, include_extras=True)           # "Positive" -> Annotated[int, "positive"]
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
     p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
     bounds = {}
     for f in dataclasses.fields(Args):
@@ -586,11 +579,11 @@ def parse_args() -> Args:
         else:
             p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
     args = Args(**vars(p.parse_args()))
-    for name, bound in bounds.items():
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
         v = getattr(args, name)
-        if (bound == "non-negative" and v < 0) or (bound == "positive" and not v > 0):
-            p.error(f"argument --{name.replace('_', '-')}: must be {'>= 0' if bound == 'non-negative' else '> 0'}"
-                    f" (got {v})")
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
     return args
 
 

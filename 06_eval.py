@@ -38,8 +38,6 @@ CPU:  python 06_eval.py --model out/ml-100k/models/centroid+gti+sft          (94
 GPU:  python 06_eval.py --model out/ml-100k/models/centroid+gti+sft --device cuda --batch-size 128
 Good run prints a markdown table: model vs most-popular (vs SASRec), all users and cold targets.
 """
-from __future__ import annotations
-
 import argparse
 import ast
 import copy
@@ -72,15 +70,15 @@ class Args:
     """artifacts folder with dataset.pt (default: two levels above --model)"""
     split: Literal["test", "valid"] = "test"
     """test: history = sequence[:-1], target = last item; valid: history = train part, target = validation item"""
-    beam: Positive = 20
+    beam: Annotated[int, ">= 1"] = 20
     """beam width = length of each user's ranked list"""
-    batch_size: Positive = 16
+    batch_size: Annotated[int, ">= 1"] = 16
     """users per batch (each becomes batch_size x beam rows after the prefill)"""
-    max_history: NonNegative = 0
+    max_history: Annotated[int, ">= 0"] = 0
     """history items in the prompt (0: sft_config.json's value, else 20)"""
-    cold_max: NonNegative = 10
+    cold_max: Annotated[int, ">= 0"] = 10
     """a test target is cold when it occurs <= this many times in the train parts"""
-    users: NonNegative = 0
+    users: Annotated[int, ">= 0"] = 0
     """evaluate only the first N users (0: all)"""
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     """auto = cuda, else mps, else cpu"""
@@ -446,12 +444,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched fro
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-# Types for Args fields: a Literal lists the allowed values (argparse `choices`, shown by --help); these
-# markers make parse_args reject a value below the bound with one line, e.g. `--batch-size 0`.
-Positive = Annotated[int, "positive"]            # a count that must be >= 1
-NonNegative = Annotated[int, "non-negative"]     # a count where 0 means "off" / "all"
-PositiveFloat = Annotated[float, "positive"]     # e.g. a learning rate
-
 
 def die(msg: str):
     """Bad input ends the run with one clear line on stderr and exit status 1."""
@@ -464,12 +456,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args): help = the docstring under each field, choices = a Literal's
-    values, --flag/--no-flag for booleans; Positive / NonNegative / PositiveFloat bounds are checked here."""
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
     src = ast.parse(inspect.getsource(Args)).body[0].body
     docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    hints = typing.get_type_hints(Args, include_extras=True)           # "Positive" -> Annotated[int, "positive"]
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
     p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
     bounds = {}
     for f in dataclasses.fields(Args):
@@ -483,11 +476,11 @@ def parse_args() -> Args:
         else:
             p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
     args = Args(**vars(p.parse_args()))
-    for name, bound in bounds.items():
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
         v = getattr(args, name)
-        if (bound == "non-negative" and v < 0) or (bound == "positive" and not v > 0):
-            p.error(f"argument --{name.replace('_', '-')}: must be {'>= 0' if bound == 'non-negative' else '> 0'}"
-                    f" (got {v})")
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
     return args
 
 

@@ -26,8 +26,6 @@ GPU:  not needed; the same command (only embedding rows are read, via safetensor
 Good run: one line per model, e.g. `random   erank 480.1  rsa_cent 0.02  pop|rho| 0.05  purity 0.31`; mean init
 shows erank 1.0 (collapsed), centroid init a high rsa_cent; item_emb purity is the semantic ceiling.
 """
-from __future__ import annotations
-
 import argparse
 import ast
 import dataclasses
@@ -60,14 +58,14 @@ class Args:
     """comma-separated labels for --models (default: each folder's name)"""
     save: str = ""
     """diagnostics JSON path (default: <out-dir>/diagnostics.json); figures go beside it"""
-    k: Positive = 10
+    k: Annotated[int, ">= 1"] = 10
     """neighbours for semantic purity"""
-    folds: Positive = 5
+    folds: Annotated[int, ">= 1"] = 5
     """cross-validation folds of the popularity probe"""
     rtol: float = 1e-3
     """rows whose centered norm is <= rtol of their norm are collapsed (effective rank 1); singular values
     <= rtol * the largest are dropped as float noise"""
-    heatmap_max: Positive = 1024
+    heatmap_max: Annotated[int, ">= 1"] = 1024
     """at most this many tokens per cosine heatmap (evenly subsampled per level beyond it)"""
     figures: bool = True
     """write the PNG figures"""
@@ -462,12 +460,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched fro
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-# Types for Args fields: a Literal lists the allowed values (argparse `choices`, shown by --help); these
-# markers make parse_args reject a value below the bound with one line, e.g. `--batch-size 0`.
-Positive = Annotated[int, "positive"]            # a count that must be >= 1
-NonNegative = Annotated[int, "non-negative"]     # a count where 0 means "off" / "all"
-PositiveFloat = Annotated[float, "positive"]     # e.g. a learning rate
-
 
 def die(msg: str):
     """Bad input ends the run with one clear line on stderr and exit status 1."""
@@ -480,12 +472,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args): help = the docstring under each field, choices = a Literal's
-    values, --flag/--no-flag for booleans; Positive / NonNegative / PositiveFloat bounds are checked here."""
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
     src = ast.parse(inspect.getsource(Args)).body[0].body
     docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    hints = typing.get_type_hints(Args, include_extras=True)           # "Positive" -> Annotated[int, "positive"]
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
     p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
     bounds = {}
     for f in dataclasses.fields(Args):
@@ -499,11 +492,11 @@ def parse_args() -> Args:
         else:
             p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
     args = Args(**vars(p.parse_args()))
-    for name, bound in bounds.items():
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
         v = getattr(args, name)
-        if (bound == "non-negative" and v < 0) or (bound == "positive" and not v > 0):
-            p.error(f"argument --{name.replace('_', '-')}: must be {'>= 0' if bound == 'non-negative' else '> 0'}"
-                    f" (got {v})")
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
     return args
 
 
