@@ -17,6 +17,7 @@ Held-out grounding quality: text -> SID next-token accuracy per level on items n
 ties count as 1/#tied, since mean init ties every new row).
 
 Reads:  <model> (03's folder, default <out-dir>/models/centroid, with sid_vocab.json), <out-dir>/dataset.pt
+        (default --out-dir: out/<dataset>)
 Writes: <save> (default <model>+gti): model + tokenizer (save_pretrained), sid_vocab.json (copied),
         04_ground.json (accuracy before/after, loss curve, seconds)
 

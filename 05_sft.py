@@ -34,8 +34,8 @@ run's up to float rounding. The example order is a pure function of (seed, step)
 killed run from its last checkpoint with the same numbers (on CPU; on CUDA, bf16 autocast and
 non-deterministic cuBLAS/SDPA kernels make runs differ slightly).
 
-Reads:  --model (a 03/04 folder: HF model + tokenizer + sid_vocab.json), <out-dir>/dataset.pt, sids.npy
-        (default --out-dir: the folder two levels above --model).
+Reads:  --model (a 03/04 folder: HF model + tokenizer + sid_vocab.json with every item's SID),
+        <out-dir>/dataset.pt (default --out-dir: the folder two levels above --model).
 Writes: --save (default <model>+sft): the best model (lowest validation loss) + tokenizer + sid_vocab.json
         + sft_config.json (objective, template, max_history, softmax; read by 06) + 05_sft.json (loss curve,
         val curve, validation accuracy per target position, best step, seconds); <save>.resume.pt while
