@@ -452,9 +452,9 @@ def main():
 
 
 # ===================================================================================================
-# Shared plumbing: byte-identical in all seven numbered scripts (tests/test_plumbing.py checks it).
-# Edit it in one script, then copy it to the other six; no script imports another. It sits below main()
-# because Python looks names up when main() runs, not when it is defined.
+# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
+# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
+# main() because Python looks names up when main() runs, not when it is defined.
 # ===================================================================================================
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
