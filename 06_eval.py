@@ -107,6 +107,9 @@ def load_sid_model(model_dir: str, out_dir: str, device):
     path, hint = os.path.join(model_dir, "sid_vocab.json"), "use a folder made by 03_expand_vocab.py (or 04/05)"
     vocab = load_json(path, hint)
     data = load_pt(os.path.join(out_dir, "dataset.pt"), "run 01_embed_items.py first (or pass --out-dir)")
+    if not isinstance(data, dict) or not {"item_ids", "texts", "sequences", "train", "valid", "test",
+                                          "popularity"} <= data.keys():
+        die(f"{out_dir}/dataset.pt lacks the fields 01_embed_items.py writes; rerun it (or pass --out-dir)")
     try:
         codes = np.array(vocab["item_codes"], dtype=np.int64)                        # (N, L+1)
         item_tok = torch.tensor(vocab["item_token_ids"], dtype=torch.long)           # (N, L+1)

@@ -413,6 +413,8 @@ def main():
                          if os.path.exists(os.path.join(root, m, "sid_vocab.json")))
         if not folders:
             die(f"no model folder with sid_vocab.json under {root}; run 03_expand_vocab.py first")
+    if a.k >= len(sids):
+        die(f"--k {a.k}: purity needs fewer neighbours than the {len(sids)} items")
     labels = a.names.split(",") if a.names else [os.path.basename(os.path.normpath(f)) for f in folders]
     if len(labels) != len(folders) or len(set(labels)) != len(labels):
         die(f"--names must give {len(folders)} distinct labels, one per model (got {labels}); folder names clash")

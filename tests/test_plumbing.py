@@ -290,3 +290,21 @@ def test_validation_users_are_user_ids(mods):
         sub = sft.validation_users(train, 2, seed)
         assert len(sub) == 2 and set(sub) <= {0, 2, 4, 5} and sub == sorted(sub)
         assert sub == sft.validation_users(train, 2, seed)                           # fixed by the seed
+
+
+def test_load_sid_model_is_one_text_in_04_05_06():
+    def text(script):
+        s = source(script)
+        i = s.index("def load_sid_model(")
+        return s[i:s.index("\n\n\n", i)]
+    assert text("04_ground.py") == text("05_sft.py") == text("06_eval.py")
+    assert "sids.npy" not in text("06_eval.py")
+
+
+def test_dataset_without_its_fields_is_one_line(setup, tmp_path):
+    out, _, model_dir = setup
+    o = copy_out(out, tmp_path / "o")
+    torch.save({"item_ids": ["0"]}, os.path.join(o, "dataset.pt"))                   # a dict, but not 01's
+    for script in ("04_ground.py", "05_sft.py", "06_eval.py"):
+        err = assert_one_line_error(run(script, "--out-dir", o, "--model", model_dir, check=False))
+        assert "dataset.pt lacks the fields 01_embed_items.py writes" in err, (script, err)
