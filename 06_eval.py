@@ -554,35 +554,27 @@ def save_folder(dst: str, model, tok, files: dict):
     shutil.rmtree(old, ignore_errors=True)
 
 
-# Guarded loaders: every artifact is read through one of these; a missing or broken file is one line that
-# names the file and what to do (`hint`: which step makes it), never a traceback.
-def load_pt(path: str, hint: str):
-    """torch.load(weights_only=True): tensors, lists, dicts; never arbitrary pickled objects."""
+# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
+# do (`hint`: which step makes it), never a traceback.
+def load_artifact(path: str, hint: str, read):
     if not os.path.isfile(path):
         die(f"{path} not found; {hint}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return read(path)
     except Exception as e:
         die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
+    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
 
 
 def load_npy(path: str, hint: str) -> np.ndarray:
-    if not os.path.isfile(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return np.load(path, allow_pickle=False)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
 
 
 def load_json(path: str, hint: str):
-    if not os.path.isfile(path):
-        die(f"{path} not found; {hint}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        die(f"{path} is not valid JSON ({type(e).__name__}); {hint}")
+    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
 
 
 def load_hf(folder: str, hint: str, dtype=torch.float32):

@@ -166,7 +166,7 @@ def test_broken_sid_vocab_is_one_line_in_every_reader(setup, tmp_path):
     for script in ("04_ground.py", "05_sft.py", "06_eval.py", "07_diagnose.py"):
         flags = ["--models", bad] if script == "07_diagnose.py" else ["--model", bad]
         err = assert_one_line_error(run(script, "--out-dir", out, *flags, check=False))
-        assert "sid_vocab.json is not valid JSON" in err and "03_expand_vocab.py" in err, (script, err)
+        assert "sid_vocab.json is unreadable (JSONDecodeError)" in err and "03_expand_vocab.py" in err, (script, err)
     vocab = json.load(open(os.path.join(model_dir, "sid_vocab.json")))
     del vocab["item_codes"]                                                        # a folder from before issue 10
     json.dump(vocab, open(os.path.join(bad, "sid_vocab.json"), "w"))
