@@ -209,10 +209,13 @@ def load_embedding(folder: str) -> np.ndarray:
     from safetensors import safe_open
     files = [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            keys = [k for k in f.keys() if "embed_tokens" in k]
-            if keys:
-                return f.get_tensor(keys[0]).float().numpy()
+        try:
+            with safe_open(path, framework="pt") as f:
+                keys = [k for k in f.keys() if "embed_tokens" in k]
+                if keys:
+                    return f.get_tensor(keys[0]).float().numpy()
+        except Exception as e:                                          # truncated or not safetensors
+            die(f"{path} is unreadable ({type(e).__name__}); rebuild {folder} with the step that made it")
     try:                                                                # other layouts: build the model
         from transformers import AutoModelForCausalLM
         m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -167,6 +167,13 @@ def test_broken_sid_vocab_is_one_line_in_every_reader(setup, tmp_path):
         flags = ["--models", bad] if script == "07_diagnose.py" else ["--model", bad]
         err = assert_one_line_error(run(script, "--out-dir", out, *flags, check=False))
         assert "sid_vocab.json is unreadable (JSONDecodeError)" in err and "03_expand_vocab.py" in err, (script, err)
+    shutil.copy(os.path.join(model_dir, "sid_vocab.json"), bad)
+    with open(os.path.join(bad, "model.safetensors"), "wb") as f:
+        f.write(b"truncated")                                                      # weights cut short
+    err = assert_one_line_error(run("07_diagnose.py", "--out-dir", out, "--models", bad, check=False))
+    assert "model.safetensors is unreadable" in err, err
+    err = assert_one_line_error(run("06_eval.py", "--out-dir", out, "--model", bad, check=False))
+    assert f"{bad}: unreadable" in err, err
     vocab = json.load(open(os.path.join(model_dir, "sid_vocab.json")))
     del vocab["item_codes"]                                                        # a folder from before issue 10
     json.dump(vocab, open(os.path.join(bad, "sid_vocab.json"), "w"))
