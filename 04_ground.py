@@ -186,8 +186,9 @@ def load_sid_model(model_dir: str, out_dir: str, device):
     except (KeyError, TypeError, ValueError, IndexError) as e:
         die(f"{path} lacks what 03_expand_vocab.py writes ({type(e).__name__}: {e}); rebuild the folder with 03")
     if vocab.get("items_key") != items_key(data) or codes.shape != item_tok.shape:
-        die(f"{path} names {len(codes)} items of another dataset than {out_dir}/dataset.pt "
-            f"({len(data['item_ids'])} items); rerun 03_expand_vocab.py --out-dir {out_dir} (or pass --out-dir)")
+        die(f"{path} was built for another dataset than {out_dir}/dataset.pt ({len(codes)} items vs "
+            f"{len(data['item_ids'])}, or other ids/texts); rerun 03_expand_vocab.py --out-dir {out_dir} "
+            "or pass --out-dir")
     tok, model = load_hf(model_dir, hint)
     if tok.convert_ids_to_tokens(item_tok.flatten().tolist()) != names:
         die(f"{model_dir}: the tokenizer does not hold the SID tokens listed in sid_vocab.json; "
