@@ -433,7 +433,7 @@ def main():
     val_rows = [encode((3, u, 0)) for u in validation_users(train, args.val_examples, args.seed)]
     positions = vocab["level_names"] + ([] if args.objective == "sequence" else ["eos"])   # tokens per target
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    per_step, local = args.batch_size * args.grad_accum, args.batch_size // world
+    per_step, per_rank = args.batch_size * args.grad_accum, args.batch_size // world   # examples per step / rank
     total = math.ceil(args.epochs * len(examples) / per_step) if args.epochs > 0 else args.steps
     targets = sum(len(s) - 1 for s in train if len(s) > 1)
     log(f"objective {args.objective}  softmax {args.softmax}  examples {len(rec)} recommendation "
@@ -470,7 +470,8 @@ def main():
         # keep the best model (rank 0 writes the folder) and the resumable state
         if (step % args.eval_every == 0 or step == total) and not (step == first and args.resume):
             state["seconds"] += time.time() - t_start
-            vloss, vacc, vpos = validate(train_model, val_rows, local, pad_id, device, ctx, len(positions), rank, world)
+            vloss, vacc, vpos = validate(train_model, val_rows, per_rank, pad_id, device, ctx, len(positions),
+                                         rank, world)
             state["val_curve"].append([step, round(vloss, 5), round(vacc, 5)])
             state["val_level_acc"].append([step, [round(x, 4) for x in vpos]])
             better = vloss < state["best_val"]
@@ -495,9 +496,10 @@ def main():
             return
 
         # one optimizer step: grad_accum micro-batches, this rank's share of each, loss / all targets of the step
-        batches = [collate([encode(examples[i]) for i in stream_batch(
-            len(examples), (step * args.grad_accum + micro) * args.batch_size + rank * local, local, args.seed, perms)],
-            pad_id) for micro in range(args.grad_accum)]
+        offsets = [(step * args.grad_accum + micro) * args.batch_size + rank * per_rank    # this rank's slice of
+                   for micro in range(args.grad_accum)]                                 # each micro-batch
+        batches = [collate([encode(examples[i]) for i in stream_batch(len(examples), o, per_rank, args.seed, perms)],
+                           pad_id) for o in offsets]
         n = torch.tensor([float(sum(int((b[3] != -100).sum()) for b in batches))], device=device)
         tot = torch.zeros(1, dtype=torch.float64, device=device)         # summed loss of this step
         if ddp:
