@@ -304,11 +304,14 @@ def load_encoder(args: Args, device):
     path = minilm_path() if args.encoder == "minilm" else args.model
     if not os.path.isfile(os.path.join(path, "config.json")):
         die(f"{path}/config.json not found; run `make setup` or pass --model")
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModel.from_pretrained(path, dtype=torch.float32)      # base model: last hidden state
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); run `make setup` or pass --model")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModel.from_pretrained(path, dtype=torch.float32).to(device).eval()  # base model: last hidden state
-    return tok, model
+    return tok, model.to(device).eval()
 
 
 @torch.no_grad()
