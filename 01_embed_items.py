@@ -20,7 +20,8 @@ Datasets (--dataset):
                    category = categories[1] (the top category below 'Beauty').
     generic        your own data, two CSV files with a header row (comma separated, "-quoted fields ok):
                      --interactions  user,item,timestamp   (timestamp numeric; omit the column to use file order)
-                     --items         item,text[,category]  (items with no row get their id as text)
+                     --items         item,text[,category]  (items with no row or an empty text get their id as
+                                           text; a warning counts them)
                    defaults: <--data-dir>/interactions.csv and <--data-dir>/items.csv.
 Users with fewer than 3 interactions cannot be split and are dropped (the count is printed).
 Same seed -> same files on CPU; on CUDA the bf16 autocast (--dtype auto) gives slightly different vectors.
@@ -34,13 +35,13 @@ CPU:  python 01_embed_items.py --dataset ml-100k            (13 s on 2 idle core
 GPU:  python 01_embed_items.py --dataset amazon-beauty --device cuda --encoder lm --batch-size 256
 Good run (ml-100k) prints: "users 943  items 1682  interactions 100000" then "item_emb (1682, 384)".
 """
-# ---------------------------------------------------------------------------------------------------
-# Shared boilerplate: COPY this block into each numbered script (no imports between numbered scripts;
-# duplication is accepted, cleanrl-style). Keep names identical across scripts.
-# ---------------------------------------------------------------------------------------------------
 import argparse
 import ast
+import csv
 import dataclasses
+import hashlib
+import html
+import importlib.util
 import inspect
 import json
 import os
@@ -48,24 +49,20 @@ import random
 import shutil
 import sys
 import time
+import typing
+from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import csv  # noqa: E402  (step-specific imports)
-import html  # noqa: E402
-import importlib.util  # noqa: E402
-from collections import Counter  # noqa: E402
-
 
 @dataclass
 class Args:
-    dataset: str = "ml-100k"
-    """ml-100k | amazon-beauty | generic"""
+    dataset: Literal["ml-100k", "amazon-beauty", "generic"] = "ml-100k"
+    """which reader (see the docstring); also names the default --out-dir"""
     data_dir: str = ""
     """dataset folder (default: data/ml-100k, ../shared/data/amazon-beauty; required for generic unless
     --interactions/--items are given)"""
@@ -73,89 +70,27 @@ class Args:
     """generic only: CSV user,item,timestamp (default: <data-dir>/interactions.csv)"""
     items: str = ""
     """generic only: CSV item,text[,category] (default: <data-dir>/items.csv)"""
-    k_core: int = 0
+    k_core: Annotated[int, ">= 0"] = 0
     """keep only users and items with >= k interactions, repeated until stable (0 = off)"""
-    max_users: int = 0
+    max_users: Annotated[int, ">= 0"] = 0
     """keep only the first N users (after sorting by id) for quick tests (0 = all)"""
-    encoder: str = "minilm"
-    """minilm (packaged all-MiniLM-L6-v2, d=384) | lm (the backbone's mean-pooled last hidden state)"""
+    encoder: Literal["minilm", "lm"] = "minilm"
+    """minilm (packaged all-MiniLM-L6-v2, d=384) or lm (the backbone's mean-pooled last hidden state)"""
     model: str = "models/SmolLM2-135M-Instruct"
     """--encoder lm: Hugging Face folder of the backbone"""
-    batch_size: int = 64
+    batch_size: Annotated[int, ">= 1"] = 64
     """texts per encoder forward pass"""
-    max_length: int = 128
+    max_length: Annotated[int, ">= 1"] = 128
     """truncate item texts to this many tokens"""
     out_dir: str = ""
     """artifacts folder (default: out/<dataset>)"""
-    device: str = "auto"
-    """auto | cpu | cuda | mps"""
-    dtype: str = "auto"
-    """auto | float32 | bfloat16 (bf16 autocast only on CUDA; auto = bf16 on CUDA, else float32)"""
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """auto = cuda, else mps, else cpu"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """bf16 autocast of the encoder or not (weights stay fp32); auto = bf16 on CUDA only (on CPU the
+    vectors, and so every later step, stay bit-identical to fp32 runs)"""
     seed: int = 0
     """seeds random, numpy and torch"""
-
-
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Args):
-        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
-        else:
-            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
-    return Args(**vars(p.parse_args()))
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name not in ("cpu", "cuda", "mps"):
-        die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
-    return torch.device(name)
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_pt(path: str, hint: str):
-    """torch.load(weights_only=True) with a one-line error that says which step makes the file."""
-    if not os.path.exists(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -320,13 +255,14 @@ def build_dataset(name: str, events, info, max_users=0, k=0, item_label=None):
     if not users:
         die("no user has >= 3 interactions after filtering; check the data or lower --k-core")
     raw_items = sorted({i for u in users for i in seqs[u]}, key=natural_key)
-    missing = [i for i in raw_items if i not in info]
+    missing = [i for i in raw_items if not info.get(i, ("",))[0].strip()]       # no row, or an empty text
     if missing:
-        print(f"warning: {len(missing)} items have no text row (e.g. {missing[0]!r}); their id is used as text")
+        print(f"warning: {len(missing)} items have no text (no row or an empty one, e.g. {missing[0]!r}); "
+              "their id is used as text")
     index = {i: n for n, i in enumerate(raw_items)}
     sequences = [[index[i] for i in seqs[u]] for u in users]
     train, valid, test, popularity = split_leave_one_out(sequences, len(raw_items))
-    texts = [info.get(i, (str(i), "unknown"))[0] for i in raw_items]
+    texts = [info[i][0] if info.get(i, ("",))[0].strip() else str(i) for i in raw_items]
     labels = [info.get(i, ("", "unknown"))[1] for i in raw_items]
     category_names = sorted(set(labels))
     cat_index = {c: n for n, c in enumerate(category_names)}
@@ -346,13 +282,11 @@ def load_dataset(args: Args):
     if args.dataset == "amazon-beauty":
         events, info, id2item = read_beauty(args.data_dir or os.path.join("..", "shared", "data", "amazon-beauty"))
         return build_dataset("amazon-beauty", events, info, args.max_users, args.k_core, id2item.get)
-    if args.dataset == "generic":
-        if not (args.data_dir or (args.interactions and args.items)):
-            die("--dataset generic needs --data-dir (with interactions.csv, items.csv) or --interactions and --items")
-        events, info = read_generic(args.interactions or os.path.join(args.data_dir, "interactions.csv"),
-                                    args.items or os.path.join(args.data_dir, "items.csv"))
-        return build_dataset("generic", events, info, args.max_users, args.k_core)
-    die(f"unknown --dataset {args.dataset!r}; use ml-100k | amazon-beauty | generic")
+    if not (args.data_dir or (args.interactions and args.items)):                 # generic
+        die("--dataset generic needs --data-dir (with interactions.csv, items.csv) or --interactions and --items")
+    events, info = read_generic(args.interactions or os.path.join(args.data_dir, "interactions.csv"),
+                                args.items or os.path.join(args.data_dir, "items.csv"))
+    return build_dataset("generic", events, info, args.max_users, args.k_core)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -368,19 +302,20 @@ def minilm_path() -> str:
 def load_encoder(args: Args, device):
     from transformers import AutoModel, AutoTokenizer
     path = minilm_path() if args.encoder == "minilm" else args.model
-    if args.encoder not in ("minilm", "lm"):
-        die(f"unknown --encoder {args.encoder!r}; use minilm | lm")
     if not os.path.isfile(os.path.join(path, "config.json")):
         die(f"{path}/config.json not found; run `make setup` or pass --model")
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModel.from_pretrained(path, dtype=torch.float32)      # base model: last hidden state
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); run `make setup` or pass --model")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModel.from_pretrained(path, dtype=torch.float32).to(device).eval()  # base model: last hidden state
-    return tok, model
+    return tok, model.to(device).eval()
 
 
 @torch.no_grad()
-def embed_texts(texts, tok, model, device, batch_size=64, max_length=128, autocast_bf16=False):
+def embed_texts(texts, tok, model, device, batch_size=64, max_length=128, ctx=nullcontext()):
     """x_i = normalize(sum_t m_t h_t / sum_t m_t), float32 (N, d). Texts are batched by length (less padding)."""
     from tqdm import tqdm
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
@@ -389,7 +324,7 @@ def embed_texts(texts, tok, model, device, batch_size=64, max_length=128, autoca
         idx = order[s:s + batch_size]
         enc = tok([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length,
                   return_tensors="pt").to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast_bf16):
+        with ctx:
             h = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
         m = enc["attention_mask"].unsqueeze(-1).float()                              # (B, T, 1)
         pooled = (h.float() * m).sum(1) / m.sum(1).clamp(min=1)                       # mean over tokens (B, d)
@@ -406,14 +341,9 @@ def main():
     seed_everything(args.seed)
     out_dir = args.out_dir or os.path.join("out", args.dataset)
     device = pick_device(args.device)
-    if args.dtype not in ("auto", "float32", "bfloat16"):
-        die(f"unknown --dtype {args.dtype!r}; use auto | float32 | bfloat16")
-    bf16 = device.type == "cuda" and args.dtype in ("auto", "bfloat16")
-    print(f"device {device}  dtype {'bfloat16 autocast' if bf16 else 'float32'}"
-          f"{' (bf16 only on CUDA)' if args.dtype == 'bfloat16' and not bf16 else ''}")
+    ctx, dtype_note = pick_autocast(args.dtype, device, cpu_bf16_pays=False)
+    print(f"device {device}  {dtype_note}")
 
-    if args.encoder not in ("minilm", "lm"):                                    # fail fast, before parsing data
-        die(f"unknown --encoder {args.encoder!r}; use minilm | lm")
     if args.encoder == "lm" and not os.path.isfile(os.path.join(args.model, "config.json")):
         die(f"{args.model}/config.json not found; run `make setup` or pass --model")
     ds = load_dataset(args)
@@ -425,7 +355,7 @@ def main():
     print(f"example item 0: {ds['texts'][0]!r}")
 
     tok, model = load_encoder(args, device)
-    emb = embed_texts(ds["texts"], tok, model, device, args.batch_size, args.max_length, bf16)  # (N, d)
+    emb = embed_texts(ds["texts"], tok, model, device, args.batch_size, args.max_length, ctx)  # (N, d)
     if not np.isfinite(emb).all():
         die("the encoder produced non-finite embeddings; try --dtype float32")
     print(f"item_emb {emb.shape}  encoder {args.encoder}  mean |x| {np.linalg.norm(emb, axis=1).mean():.3f}")
@@ -439,6 +369,162 @@ def main():
     atomic_write(os.path.join(out_dir, "01_embed_items.json"),
                  lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
     print(f"wrote {out_dir}/item_emb.npy, dataset.pt, 01_embed_items.json in {summary['seconds']} s")
+
+
+# ===================================================================================================
+# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
+# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
+# main() because Python looks names up when main() runs, not when it is defined.
+# ===================================================================================================
+os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def die(msg: str):
+    """Bad input ends the run with one clear line on stderr and exit status 1."""
+    sys.exit(f"error: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        die(f"{message} (see `python {self.prog} --help`)")
+
+
+def parse_args() -> Args:
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
+    src = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
+    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
+    bounds = {}
+    for f in dataclasses.fields(Args):
+        flag, h, t = "--" + f.name.replace("_", "-"), docs.get(f.name, ""), hints[f.name]
+        if typing.get_origin(t) is Annotated:
+            t, bounds[f.name] = typing.get_args(t)[:2]
+        if t is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        elif typing.get_origin(t) is Literal:
+            p.add_argument(flag, choices=typing.get_args(t), default=f.default, help=f"{h} (default: {f.default})")
+        else:
+            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+    args = Args(**vars(p.parse_args()))
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
+        v = getattr(args, name)
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
+    return args
+
+
+def pick_device(name: str) -> torch.device:
+    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line, not a traceback."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but CUDA is not available; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        die("--device mps but MPS is not available; use --device cpu")
+    return torch.device(name)
+
+
+def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
+    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
+    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
+      float32:  no autocast.
+      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
+      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
+                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
+                faster); float32 elsewhere."""
+    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
+    if name == "float32" or device.type == "mps":
+        return nullcontext(), "float32"
+    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
+    torch:  atomic_write(p, lambda t: torch.save(obj, t))
+    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))       (np.save adds .npy to a str path)
+    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_folder(dst: str, model, tok, files: dict):
+    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
+    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
+    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
+    tmp, old = f"{dst}.tmp", f"{dst}.old"
+    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
+        os.replace(old, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    for name, text in files.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    if os.path.exists(dst):
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
+# do (`hint`: which step makes it), never a traceback.
+def load_artifact(path: str, hint: str, read):
+    if not os.path.isfile(path):
+        die(f"{path} not found; {hint}")
+    try:
+        return read(path)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
+    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+
+
+def load_npy(path: str, hint: str) -> np.ndarray:
+    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
+
+
+def load_json(path: str, hint: str):
+    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
+
+
+def load_hf(folder: str, hint: str, dtype=torch.float32):
+    """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
+    try:
+        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as e:
+        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
+
+
+def items_key(ds: dict) -> str:
+    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
+    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
+    return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

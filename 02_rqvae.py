@@ -26,13 +26,10 @@ GPU:  python 02_rqvae.py --out-dir out/amazon-beauty --device cuda --batch-size 
 Good run (ml-100k) prints one line per interval, ending "step 1500 | loss 0.64 (quant 0.32) | recon_mse 8.4e-04 |
 ... | usage 1.00/1.00/1.00", then "collision rate 0.0202 (...; largest group 2) -> 0 duplicate SIDs after the suffix".
 """
-# ---------------------------------------------------------------------------------------------------
-# Shared boilerplate: COPY this block into each numbered script (no imports between numbered scripts;
-# duplication is accepted, cleanrl-style). Keep names identical across scripts.
-# ---------------------------------------------------------------------------------------------------
 import argparse
 import ast
 import dataclasses
+import hashlib
 import inspect
 import json
 import os
@@ -40,16 +37,15 @@ import random
 import shutil
 import sys
 import time
+import typing
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import torch.nn as nn  # noqa: E402  (step-specific imports)
-import torch.nn.functional as F  # noqa: E402
+import torch.nn as nn
+import torch.nn.functional as F
 
 
 @dataclass
@@ -58,99 +54,36 @@ class Args:
     """only picks the default --out-dir (out/<dataset>)"""
     out_dir: str = ""
     """artifacts folder with 01's item_emb.npy (default: out/<dataset>)"""
-    levels: int = 3
+    levels: Annotated[int, ">= 1"] = 3
     """L, number of residual quantization levels (the collision suffix adds one more)"""
-    codebook_size: int = 0
+    codebook_size: Annotated[int, ">= 0"] = 0
     """K codes per level (0 = auto: 64 for N <= 4096 items, else 256)"""
-    latent_dim: int = 32
+    latent_dim: Annotated[int, ">= 1"] = 32
     """D, width of the RQ-VAE latent"""
     hidden: str = "256,128"
     """encoder MLP widths (the decoder mirrors them)"""
-    steps: int = 1500
+    steps: Annotated[int, ">= 1"] = 1500
     """optimizer steps"""
-    batch_size: int = 512
+    batch_size: Annotated[int, ">= 1"] = 512
     """items per step (the first batch also seeds the k-means codebooks)"""
-    lr: float = 3e-3
+    lr: Annotated[float, "> 0"] = 3e-3
     """AdamW learning rate"""
     weight_decay: float = 1e-4
     """AdamW weight decay (MLP weights only, not the codebooks)"""
     beta: float = 0.25
     """commitment weight"""
-    kmeans_iters: int = 25
+    kmeans_iters: Annotated[int, ">= 0"] = 25
     """Lloyd iterations of the k-means codebook init"""
-    reseed_every: int = 100
+    reseed_every: Annotated[int, ">= 0"] = 100
     """re-seed codes unused for this many steps (0 = never)"""
-    log_every: int = 250
+    log_every: Annotated[int, ">= 1"] = 250
     """steps between log lines"""
-    device: str = "auto"
-    """auto | cpu | cuda | mps"""
-    threads: int = 1
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """auto = cuda, else mps, else cpu"""
+    threads: Annotated[int, ">= 0"] = 1
     """CPU threads for torch (0 = torch's default; this small MLP runs fastest on 1, esp. on a busy machine)"""
     seed: int = 0
     """seeds random, numpy and torch"""
-
-
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Args):
-        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
-        else:
-            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
-    return Args(**vars(p.parse_args()))
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name not in ("cpu", "cuda", "mps"):
-        die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
-    return torch.device(name)
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_pt(path: str, hint: str):
-    """torch.load(weights_only=True) with a one-line error that says which step makes the file."""
-    if not os.path.exists(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -255,12 +188,7 @@ def code_centroids(sids: np.ndarray, emb: np.ndarray, sizes):
 def load_embeddings(out_dir: str) -> np.ndarray:
     path = os.path.join(out_dir, "item_emb.npy")
     hint = "run 01_embed_items.py first (or pass --out-dir with its output)"
-    if not os.path.isfile(path):
-        die(f"{path} not found; {hint}")
-    try:
-        emb = np.load(path, allow_pickle=False)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+    emb = load_npy(path, hint)
     if emb.ndim != 2 or emb.shape[0] < 2 or not np.issubdtype(emb.dtype, np.floating) or not np.isfinite(emb).all():
         die(f"{path} must be a finite float array [N, d] with N >= 2 (got {emb.dtype} {emb.shape}); {hint}")
     ds_path = os.path.join(out_dir, "dataset.pt")
@@ -287,8 +215,6 @@ def main():
         hidden = [int(h) for h in args.hidden.split(",") if h.strip()]
     except ValueError:
         die(f"--hidden must be comma-separated ints, got {args.hidden!r}")
-    if args.levels < 1 or args.latent_dim < 1 or args.steps < 1 or args.batch_size < 1 or args.codebook_size < 0:
-        die("--levels, --latent-dim, --steps, --batch-size must be >= 1 and --codebook-size >= 0")
 
     emb = load_embeddings(out_dir)                                             # (N, d)
     N, d = emb.shape
@@ -386,6 +312,162 @@ def main():
                "seconds": round(time.time() - t0, 1)}
     atomic_write(os.path.join(out_dir, "02_rqvae.json"), lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
     print(f"wrote {out_dir}/sids.npy {sids.shape}, centroids.pt, rqvae.pt, 02_rqvae.json in {summary['seconds']} s")
+
+
+# ===================================================================================================
+# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
+# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
+# main() because Python looks names up when main() runs, not when it is defined.
+# ===================================================================================================
+os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def die(msg: str):
+    """Bad input ends the run with one clear line on stderr and exit status 1."""
+    sys.exit(f"error: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        die(f"{message} (see `python {self.prog} --help`)")
+
+
+def parse_args() -> Args:
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
+    src = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
+    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
+    bounds = {}
+    for f in dataclasses.fields(Args):
+        flag, h, t = "--" + f.name.replace("_", "-"), docs.get(f.name, ""), hints[f.name]
+        if typing.get_origin(t) is Annotated:
+            t, bounds[f.name] = typing.get_args(t)[:2]
+        if t is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        elif typing.get_origin(t) is Literal:
+            p.add_argument(flag, choices=typing.get_args(t), default=f.default, help=f"{h} (default: {f.default})")
+        else:
+            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+    args = Args(**vars(p.parse_args()))
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
+        v = getattr(args, name)
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
+    return args
+
+
+def pick_device(name: str) -> torch.device:
+    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line, not a traceback."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but CUDA is not available; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        die("--device mps but MPS is not available; use --device cpu")
+    return torch.device(name)
+
+
+def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
+    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
+    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
+      float32:  no autocast.
+      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
+      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
+                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
+                faster); float32 elsewhere."""
+    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
+    if name == "float32" or device.type == "mps":
+        return nullcontext(), "float32"
+    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
+    torch:  atomic_write(p, lambda t: torch.save(obj, t))
+    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))       (np.save adds .npy to a str path)
+    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_folder(dst: str, model, tok, files: dict):
+    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
+    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
+    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
+    tmp, old = f"{dst}.tmp", f"{dst}.old"
+    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
+        os.replace(old, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    for name, text in files.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    if os.path.exists(dst):
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
+# do (`hint`: which step makes it), never a traceback.
+def load_artifact(path: str, hint: str, read):
+    if not os.path.isfile(path):
+        die(f"{path} not found; {hint}")
+    try:
+        return read(path)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
+    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+
+
+def load_npy(path: str, hint: str) -> np.ndarray:
+    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
+
+
+def load_json(path: str, hint: str):
+    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
+
+
+def load_hf(folder: str, hint: str, dtype=torch.float32):
+    """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
+    try:
+        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as e:
+        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
+
+
+def items_key(ds: dict) -> str:
+    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
+    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
+    return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

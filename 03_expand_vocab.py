@@ -22,7 +22,8 @@ head (the head gets its own copy of the matrix) and gives the head's new rows in
 roles of the SID rows can then be studied apart (the study's untied 2 x 2). "Existing rows" = the rows of
 the tokens the tokenizer had before (padding rows excluded; for SmolLM2 the two are the same).
 
-Reads:  <out-dir>/sids.npy, <out-dir>/centroids.pt (02), the base model (--model)
+Reads:  <out-dir>/dataset.pt (01: only to check the item count and fingerprint its items), sids.npy,
+        centroids.pt (02), the base model (--model)
 Writes: <out-dir>/models/<init>/ (model + tokenizer via save_pretrained, plus sid_vocab.json),
         <out-dir>/03_expand_vocab.json (per init: num_new_tokens, norms of new vs old rows, seconds)
 
@@ -34,6 +35,7 @@ Good run prints the number of new tokens per level and, per init, the mean norm 
 import argparse
 import ast
 import dataclasses
+import hashlib
 import inspect
 import json
 import os
@@ -41,103 +43,41 @@ import random
 import shutil
 import sys
 import time
+import typing
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 INITS = ("random", "mean", "centroid", "shuffled")
 
 
 @dataclass
 class Args:
-    out_dir: str = "out/ml-100k"
-    """artifacts folder: reads sids.npy and centroids.pt, writes models/<init>/ and 03_expand_vocab.json"""
+    dataset: str = "ml-100k"
+    """only picks the default --out-dir (out/<dataset>)"""
+    out_dir: str = ""
+    """artifacts folder: reads dataset.pt, sids.npy, centroids.pt; writes models/<init>/, 03_expand_vocab.json
+    (default: out/<dataset>)"""
     model: str = "models/SmolLM2-135M-Instruct"
     """base causal LM: a Hugging Face folder or hub name (tied or untied head)"""
-    init: str = "all"
-    """random | mean | centroid | shuffled | all (all = the four folders from one load of the base model)"""
-    centroid_map: str = "orthogonal"
-    """centroid init when d < d_model: pad (zero-pad) | orthogonal (seeded orthonormal d -> d_model map)"""
-    centroid_scale: str = "matched"
+    init: Literal["random", "mean", "centroid", "shuffled", "all"] = "all"
+    """the new rows' init; all = the four folders from one load of the base model"""
+    centroid_map: Literal["pad", "orthogonal"] = "orthogonal"
+    """centroid init when d < d_model: pad (zero-pad) or orthogonal (seeded orthonormal d -> d_model map)"""
+    centroid_scale: Literal["plain", "matched", "level"] = "matched"
     """centroid init: plain (the paper's mean shift only) | matched (also scale to the existing rows' spread);
     matched is the default: lower SFT validation loss in the study (7.36 +- 0.12 vs 7.85 +- 0.04 after 20 steps,
     3 seeds, results/ml-100k.md); level = matched per level (each level centered on its own mean and scaled to
     the vocabulary's spread: the deeper levels' and the suffix's centroids are tighter; results/ml-100k_why.md)"""
-    head_init: str = "same"
-    """same (the head, tied or not, follows --init) | random | mean | centroid | shuffled: untie the output
-    head and give its new rows this init"""
-    device: str = "auto"
-    """auto | cpu | cuda | mps (only where the statistics are computed; cpu is fast enough)"""
+    head_init: Literal["same", "random", "mean", "centroid", "shuffled"] = "same"
+    """same: the head, tied or not, follows --init; else untie the output head and give its new rows this init"""
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """where the statistics are computed (cpu is fast enough); auto = cuda, else mps, else cpu"""
     seed: int = 0
     """seeds random, numpy and torch (random rows, orthonormal map, shuffle)"""
-
-
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Args):
-        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
-        else:
-            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
-    return Args(**vars(p.parse_args()))
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name not in ("cpu", "cuda", "mps"):
-        die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
-    return torch.device(name)
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_pt(path: str, hint: str):
-    """torch.load(weights_only=True) with a one-line error that says which step makes the file."""
-    if not os.path.exists(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -189,73 +129,39 @@ def new_rows(init: str, old: torch.Tensor, cents: list, args: Args) -> torch.Ten
 # ---------------------------------------------------------------------------------------------------
 # Data: the codes actually used, their centroids, the token names
 # ---------------------------------------------------------------------------------------------------
-def load_codes(args: Args):
-    path = os.path.join(args.out_dir, "sids.npy")
-    if not os.path.exists(path):
-        die(f"{path} not found; run 02_rqvae.py first (or pass --out-dir)")
-    try:
-        sids = np.load(path)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); rerun 02_rqvae.py")
+def load_codes(out_dir: str):
+    """02's codes and centroids, checked against 01's dataset.pt before anything is written."""
+    path = os.path.join(out_dir, "sids.npy")
+    sids = load_npy(path, "run 02_rqvae.py first (or pass --out-dir)")
     if sids.ndim != 2 or sids.dtype.kind not in "iu" or len(sids) == 0 or sids.min() < 0:
         die(f"{path} must be a non-negative int array [N, L+1]; rerun 02_rqvae.py")
-    cp = load_pt(os.path.join(args.out_dir, "centroids.pt"), "run 02_rqvae.py first")
+    ds = load_pt(os.path.join(out_dir, "dataset.pt"), "run 01_embed_items.py first (or pass --out-dir)")
+    if not isinstance(ds, dict) or len(ds.get("item_ids", [])) != len(sids) or len(ds.get("texts", [])) != len(sids):
+        die(f"{path} has {len(sids)} rows but {out_dir}/dataset.pt has "
+            f"{len(ds.get('item_ids', [])) if isinstance(ds, dict) else '?'} items; rerun 02_rqvae.py after 01")
+    cp = load_pt(os.path.join(out_dir, "centroids.pt"), "run 02_rqvae.py first")
     if not isinstance(cp, dict) or "centroids" not in cp or len(cp["centroids"]) != sids.shape[1]:
-        die(f"{args.out_dir}/centroids.pt has no per-level `centroids` for {sids.shape[1]} levels; rerun 02_rqvae.py")
+        die(f"{out_dir}/centroids.pt has no per-level `centroids` for {sids.shape[1]} levels; rerun 02_rqvae.py")
     used = [np.unique(sids[:, l]).tolist() for l in range(sids.shape[1])]           # codes used per level
     for l, u in enumerate(used):
         if u[-1] >= len(cp["centroids"][l]):
             die(f"sids.npy uses code {u[-1]} at level {l} but centroids.pt has {len(cp['centroids'][l])}; rerun 02")
     cents = [cp["centroids"][l].float()[u] for l, u in enumerate(used)]              # per level (n_l, d)
     sizes = [int(len(cp["centroids"][l])) for l in range(sids.shape[1])]
-    return sids.astype(np.int64), used, cents, sizes
-
-
-def load_base(args: Args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()                    # stderr stays one line on bad input
-    try:
-        tok = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
-    except Exception as e:
-        what = "not found" if not os.path.exists(args.model) else f"unreadable ({type(e).__name__})"
-        die(f"--model {args.model}: {what}; pass a Hugging Face causal LM folder (`make setup` makes the default)")
-    return tok, model
+    return sids.astype(np.int64), used, cents, sizes, ds
 
 
 # ---------------------------------------------------------------------------------------------------
-# Save: one Hugging Face folder per init, written to a temp folder then swapped in
+# main: codes -> tokens -> one Hugging Face folder per init (save_folder: temp folder, then swapped in)
 # ---------------------------------------------------------------------------------------------------
-def save_folder(dst: str, model, tok, vocab: dict):
-    tmp, old = f"{dst}.tmp", f"{dst}.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    with open(os.path.join(tmp, "sid_vocab.json"), "w") as f:
-        json.dump(vocab, f)
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(dst):
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def main():
     args = parse_args()
+    args.out_dir = args.out_dir or os.path.join("out", args.dataset)
     inits = list(INITS) if args.init == "all" else [args.init]
-    if args.init != "all" and args.init not in INITS:
-        die(f"unknown --init {args.init!r}; use {' | '.join(INITS)} | all")
-    if args.centroid_map not in ("pad", "orthogonal"):
-        die(f"unknown --centroid-map {args.centroid_map!r}; use pad | orthogonal")
-    if args.centroid_scale not in ("plain", "matched", "level"):
-        die(f"unknown --centroid-scale {args.centroid_scale!r}; use plain | matched | level")
-    if args.head_init != "same" and args.head_init not in INITS:
-        die(f"unknown --head-init {args.head_init!r}; use same | {' | '.join(INITS)}")
     seed_everything(args.seed)
     device = pick_device(args.device)
     t0 = time.time()
-    sids, used, cents, sizes = load_codes(args)
+    sids, used, cents, sizes, ds = load_codes(args.out_dir)
     L1 = sids.shape[1]
     letters = [level_letter(l) for l in range(L1)]
     names = [f"<{letters[l]}_{k}>" for l in range(L1) for k in used[l]]
@@ -263,7 +169,8 @@ def main():
           + ", ".join(f"{letters[l]}={len(u)}" for l, u in enumerate(used)) + f" (total {len(names)})")
 
     # --- tokenizer + embedding matrix: add the tokens, resize only if the matrix is too small -------------
-    tok, model = load_base(args)
+    tok, model = load_hf(args.model, "pass a Hugging Face causal LM folder (`make setup` makes the default)",
+                         dtype="auto")
     vocab_before = len(tok)
     if any(t in tok.get_vocab() for t in names):
         die(f"--model {args.model} already has SID tokens (e.g. {names[0]}); pass the base model, not a 03 output")
@@ -287,13 +194,15 @@ def main():
     print(f"model {args.model}: vocab {vocab_before} -> {len(tok)}, matrix rows {emb.weight.shape[0]}, "
           f"d_model {emb.weight.shape[1]}, head {'untied' if untied else 'tied'}; centroid d = {cents[0].shape[1]}")
 
-    # --- sid_vocab.json: token ids per level and code, each item's SID ------------------------------------
+    # --- sid_vocab.json: token ids per level and code, each item's SID (tokens, string, codes), its dataset ---
     tid = {(l, k): int(i) for (l, k), i in zip([(l, k) for l in range(L1) for k in used[l]], ids)}
     vocab = {
         "num_levels": L1, "level_names": letters, "codebook_sizes": sizes,
         "token_ids": [[tid.get((l, k), -1) for k in range(sizes[l])] for l in range(L1)],
         "item_token_ids": [[tid[(l, int(c))] for l, c in enumerate(row)] for row in sids],
         "item_sids": ["".join(f"<{letters[l]}_{int(c)}>" for l, c in enumerate(row)) for row in sids],
+        "item_codes": sids.tolist(),                      # = sids.npy: 04-06 build the trie from the folder alone
+        "items_key": items_key(ds),                       # the dataset.pt these items index (04-06 check it)
     }
 
     # --- one folder per init ---------------------------------------------------------------------------
@@ -318,7 +227,7 @@ def main():
                             "new_rms_spread": round(float((rows - rows.mean(0)).pow(2).sum(1).mean().sqrt()), 4),
                             "old_rms_spread": round(float((olds[k] - olds[k].mean(0)).pow(2).sum(1).mean().sqrt()), 4)}
         dst = os.path.join(args.out_dir, "models", init)
-        save_folder(dst, model, tok, vocab | {"init": init})
+        save_folder(dst, model, tok, {"sid_vocab.json": json.dumps(vocab | {"init": init})})
         summary[init] = {"init": init, "num_new_tokens": len(names), "model": args.model,
                          "vocab_before": vocab_before, "vocab_after": len(tok), "tied": not untied,
                          "centroid_map": args.centroid_map, "centroid_scale": args.centroid_scale,
@@ -329,6 +238,162 @@ def main():
               f"spread {e['new_rms_spread']:.3f} (old {e['old_rms_spread']:.3f})  -> {dst}")
     atomic_write(summary_path, lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
     print(f"done in {time.time() - t0:.1f}s; summary -> {summary_path}")
+
+
+# ===================================================================================================
+# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
+# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
+# main() because Python looks names up when main() runs, not when it is defined.
+# ===================================================================================================
+os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def die(msg: str):
+    """Bad input ends the run with one clear line on stderr and exit status 1."""
+    sys.exit(f"error: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        die(f"{message} (see `python {self.prog} --help`)")
+
+
+def parse_args() -> Args:
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
+    src = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
+    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
+    bounds = {}
+    for f in dataclasses.fields(Args):
+        flag, h, t = "--" + f.name.replace("_", "-"), docs.get(f.name, ""), hints[f.name]
+        if typing.get_origin(t) is Annotated:
+            t, bounds[f.name] = typing.get_args(t)[:2]
+        if t is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        elif typing.get_origin(t) is Literal:
+            p.add_argument(flag, choices=typing.get_args(t), default=f.default, help=f"{h} (default: {f.default})")
+        else:
+            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+    args = Args(**vars(p.parse_args()))
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
+        v = getattr(args, name)
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
+    return args
+
+
+def pick_device(name: str) -> torch.device:
+    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line, not a traceback."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but CUDA is not available; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        die("--device mps but MPS is not available; use --device cpu")
+    return torch.device(name)
+
+
+def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
+    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
+    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
+      float32:  no autocast.
+      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
+      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
+                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
+                faster); float32 elsewhere."""
+    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
+    if name == "float32" or device.type == "mps":
+        return nullcontext(), "float32"
+    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
+    torch:  atomic_write(p, lambda t: torch.save(obj, t))
+    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))       (np.save adds .npy to a str path)
+    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_folder(dst: str, model, tok, files: dict):
+    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
+    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
+    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
+    tmp, old = f"{dst}.tmp", f"{dst}.old"
+    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
+        os.replace(old, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    for name, text in files.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    if os.path.exists(dst):
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
+# do (`hint`: which step makes it), never a traceback.
+def load_artifact(path: str, hint: str, read):
+    if not os.path.isfile(path):
+        die(f"{path} not found; {hint}")
+    try:
+        return read(path)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
+    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+
+
+def load_npy(path: str, hint: str) -> np.ndarray:
+    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
+
+
+def load_json(path: str, hint: str):
+    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
+
+
+def load_hf(folder: str, hint: str, dtype=torch.float32):
+    """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
+    try:
+        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as e:
+        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
+
+
+def items_key(ds: dict) -> str:
+    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
+    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
+    return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ run's up to float rounding. The example order is a pure function of (seed, step)
 killed run from its last checkpoint with the same numbers (on CPU; on CUDA, bf16 autocast and
 non-deterministic cuBLAS/SDPA kernels make runs differ slightly).
 
-Reads:  --model (a 03/04 folder: HF model + tokenizer + sid_vocab.json), <out-dir>/dataset.pt, sids.npy
-        (default --out-dir: the folder two levels above --model).
+Reads:  --model (a 03/04 folder: HF model + tokenizer + sid_vocab.json with every item's SID),
+        <out-dir>/dataset.pt (default --out-dir: the folder two levels above --model).
 Writes: --save (default <model>+sft): the best model (lowest validation loss) + tokenizer + sid_vocab.json
         + sft_config.json (objective, template, max_history, softmax; read by 06) + 05_sft.json (loss curve,
         val curve, validation accuracy per target position, best step, seconds); <save>.resume.pt while
@@ -49,50 +49,43 @@ GPU (epochs over all ML-100K windows, bf16 autocast, larger batch):
 Good run prints one line per --log-every steps, e.g. "step 50/300 | loss 2.91 | lr 1.9e-04 | ...", the
 validation loss every --eval-every steps, and "best step ... val loss ..." at the end.
 """
-# ---------------------------------------------------------------------------------------------------
-# Shared boilerplate: COPY this block into each numbered script (no imports between numbered scripts;
-# duplication is accepted, cleanrl-style). Keep names identical across scripts.
-# ---------------------------------------------------------------------------------------------------
 import argparse
 import ast
 import dataclasses
+import hashlib
 import inspect
 import json
+import math
 import os
 import random
 import shutil
 import sys
 import time
+import typing
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-import math  # noqa: E402  (step-specific imports)
-from contextlib import nullcontext  # noqa: E402
-
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 @dataclass
 class Args:
     model: str = "out/ml-100k/models/centroid+gti"
-    """input model folder (03_expand_vocab.py or 04_ground.py output)"""
+    """input model folder (04_ground.py's output by default; any 03 folder works too)"""
     save: str = ""
     """output folder (default: <model>+sft)"""
     out_dir: str = ""
-    """artifacts folder with dataset.pt and sids.npy (default: two levels above --model)"""
-    objective: str = "sequence"
-    """sequence (every item of a window is a target) | prompt (one target per instruction row)"""
-    softmax: str = "level"
-    """full | sid | level: normalize SID targets over the vocabulary, the SID tokens, or the target's level"""
-    max_history: int = 20
+    """artifacts folder with dataset.pt (default: two levels above --model)"""
+    objective: Literal["sequence", "prompt"] = "sequence"
+    """sequence: every item of a window is a target; prompt: one target per instruction row"""
+    softmax: Literal["full", "sid", "level"] = "level"
+    """normalize SID targets over the vocabulary (full), the SID tokens (sid), or the target's level (level)"""
+    max_history: Annotated[int, ">= 1"] = 20
     """history items before a target (sequence: windows of max_history + 1 items)"""
     template: str = ""
     """prompt template with {history} (default: 'User history: {history}', plus '\nNext item:' for prompt)"""
@@ -100,161 +93,77 @@ class Args:
     """mix in LC-Rec-style item text -> SID and SID -> item text examples"""
     aux_ratio: float = 0.25
     """auxiliary examples per recommendation example (a window or an instruction row; with --aux-tasks)"""
-    steps: int = 220
+    steps: Annotated[int, ">= 1"] = 220
     """optimizer steps (the CPU default: fits `make run` in 20 min on 2 cores); ignored when --epochs > 0"""
     epochs: float = 0.0
     """passes over all examples (sets the number of steps; the GPU setting)"""
-    batch_size: int = 8
+    batch_size: Annotated[int, ">= 1"] = 8
     """examples per micro-step, over all processes together"""
-    grad_accum: int = 1
+    grad_accum: Annotated[int, ">= 1"] = 1
     """micro-steps per optimizer step"""
-    lr: float = 1e-3
+    lr: Annotated[float, "> 0"] = 1e-3
     """peak learning rate (AdamW)"""
     min_lr_frac: float = 0.1
     """cosine schedule ends at lr * min_lr_frac"""
-    warmup: int = 20
+    warmup: Annotated[int, ">= 0"] = 20
     """linear warmup steps"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     clip: float = 1.0
     """gradient-norm clipping (0: off)"""
-    eval_every: int = 110
+    eval_every: Annotated[int, ">= 1"] = 110
     """validation loss, best-model save and resume checkpoint every N steps"""
-    val_examples: int = 128
+    val_examples: Annotated[int, ">= 0"] = 128
     """validation examples (one per user, a fixed random subset; 0: all users)"""
-    log_every: int = 10
+    log_every: Annotated[int, ">= 1"] = 10
     """one log line every N steps"""
     resume: bool = False
     """continue from <save>.resume.pt (same arguments)"""
     resumable: bool = True
     """write <save>.resume.pt (model + optimizer state, ~3x the model) at each validation; --no-resumable skips it (short runs)"""
-    stop_at: int = 0
+    stop_at: Annotated[int, ">= 0"] = 0
     """stop abruptly after this step, as if killed (to test --resume); 0: off"""
-    device: str = "auto"
-    """auto | cpu | cuda | mps"""
-    dtype: str = "auto"
-    """auto (bf16 autocast on CUDA and on CPUs with native bf16, else float32) | float32 | bfloat16; weights stay fp32"""
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """auto = cuda, else mps, else cpu (under torchrun: cuda if available, else gloo on cpu)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """bf16 autocast or not; weights, optimizer and loss stay fp32 (auto = bf16 on CUDA and on CPUs with native bf16)"""
     seed: int = 0
     """seeds random, numpy, torch and the example order"""
 
 
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Args):
-        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
-        else:
-            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
-    return Args(**vars(p.parse_args()))
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name not in ("cpu", "cuda", "mps"):
-        die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
-    return torch.device(name)
-
-
-def pick_autocast(name: str, device: torch.device):
-    """--dtype -> (autocast context, note). Weights, optimizer and the loss's softmax stay fp32; auto = bf16
-    autocast on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX: a training step of SmolLM2-135M ran
-    1.7x faster there), float32 elsewhere (emulated bf16 is slower than fp32)."""
-    if name not in ("auto", "float32", "bfloat16"):
-        die(f"unknown --dtype {name!r}; use auto|float32|bfloat16")
-    native = device.type == "cuda" or (device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported",
-                                                                         lambda: False)())
-    if name == "float32" or (name == "auto" and not native) or device.type == "mps":
-        return nullcontext(), "float32" + (" (this CPU has no native bf16)" if name == "auto" and not native else "")
-    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-# torch.save:  atomic_write(p, lambda t: torch.save(obj, t))
-# numpy:       atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (np.save adds .npy to str paths!)
-# json:        atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))
-# HF folder:   save_pretrained into f"{dst}.tmp", then swap: rename old dst away, rename tmp -> dst, rmtree old.
-
-
-def load_pt(path: str, hint: str):
-    """torch.load(weights_only=True) with a one-line error that says which step makes the file."""
-    if not os.path.exists(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
-
-
 # ---------------------------------------------------------------------------------------------------
-# Inputs: the model folder, its SID vocabulary, and the dataset it must match (same checks as 06_eval.py)
+# Inputs: the model folder, its SID vocabulary, and the dataset it must match (the same function in 04 and 06)
 # ---------------------------------------------------------------------------------------------------
-def load_sid_model(model_dir: str, out_dir: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    vocab_path = os.path.join(model_dir, "sid_vocab.json")
-    if not os.path.isdir(model_dir):
-        die(f"{model_dir} not found; run 03_expand_vocab.py (or 04_ground.py) first")
-    if not os.path.exists(vocab_path):
-        die(f"{vocab_path} not found: {model_dir} has no SID tokens; use a folder made by 03_expand_vocab.py "
-            "or 04_ground.py")
-    vocab = json.load(open(vocab_path))
+def load_sid_model(model_dir: str, out_dir: str, device):
+    """A folder made by 03, 04 or 05 (HF model + tokenizer + sid_vocab.json [+ sft_config.json]) and the
+    dataset.pt whose items its SIDs name, checked against each other (the same function in 04, 05 and 06).
+    Returns the fp32 model on `device`, tokenizer, sid_vocab, dataset, codes (N, L+1) every item's SID as
+    codes, item_tok (N, L+1) the same as token ids, and sft_config.json ({} when absent)."""
+    path, hint = os.path.join(model_dir, "sid_vocab.json"), "use a folder made by 03_expand_vocab.py (or 04/05)"
+    vocab = load_json(path, hint)
     data = load_pt(os.path.join(out_dir, "dataset.pt"), "run 01_embed_items.py first (or pass --out-dir)")
-    sids_path = os.path.join(out_dir, "sids.npy")
-    if not os.path.exists(sids_path):
-        die(f"{sids_path} not found; run 02_rqvae.py first (or pass --out-dir)")
-    sids = np.load(sids_path)
-    n, letters = len(data["item_ids"]), vocab["level_names"]
-    if len(vocab["item_sids"]) != n or sids.shape != (n, vocab["num_levels"]):
-        die(f"{vocab_path} describes {len(vocab['item_sids'])} items x {vocab['num_levels']} levels but "
-            f"{out_dir} has {n} items, sids.npy {tuple(sids.shape)}; the model was built for another "
-            f"dataset: rerun 03_expand_vocab.py --out-dir {out_dir}")
-    expect = ["".join(f"<{letters[l]}_{c}>" for l, c in enumerate(row)) for row in sids.tolist()]
-    bad = [i for i in range(n) if expect[i] != vocab["item_sids"][i]]
-    if bad:
-        die(f"{vocab_path}: item {bad[0]} has SID {vocab['item_sids'][bad[0]]} but {sids_path} says "
-            f"{expect[bad[0]]} ({len(bad)} items differ); rerun 03_expand_vocab.py after 02_rqvae.py")
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    item_tok = torch.tensor(vocab["item_token_ids"], dtype=torch.long)               # (N, L+1)
-    names = tok.convert_ids_to_tokens(item_tok.flatten().tolist())
-    if names != [t for s in expect for t in s.replace("><", ">\n<").split("\n")]:
+    if not isinstance(data, dict) or not {"item_ids", "texts", "sequences", "train", "valid", "test",
+                                          "popularity"} <= data.keys():
+        die(f"{out_dir}/dataset.pt lacks the fields 01_embed_items.py writes; rerun it (or pass --out-dir)")
+    try:
+        codes = np.array(vocab["item_codes"], dtype=np.int64)                        # (N, L+1)
+        item_tok = torch.tensor(vocab["item_token_ids"], dtype=torch.long)           # (N, L+1)
+        names = [f"<{vocab['level_names'][l]}_{c}>" for row in codes.tolist() for l, c in enumerate(row)]
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        die(f"{path} lacks what 03_expand_vocab.py writes ({type(e).__name__}: {e}); rebuild the folder with 03")
+    if vocab.get("items_key") != items_key(data) or codes.shape != item_tok.shape:
+        die(f"{path} was built for another dataset than {out_dir}/dataset.pt ({len(codes)} items vs "
+            f"{len(data['item_ids'])}, or other ids/texts); rerun 03_expand_vocab.py --out-dir {out_dir} "
+            "or pass --out-dir")
+    tok, model = load_hf(model_dir, hint)
+    if tok.convert_ids_to_tokens(item_tok.flatten().tolist()) != names:
         die(f"{model_dir}: the tokenizer does not hold the SID tokens listed in sid_vocab.json; "
             "rebuild the folder with 03_expand_vocab.py")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if model.get_input_embeddings().num_embeddings <= int(item_tok.max()):
         die(f"{model_dir}: embedding matrix smaller than the SID token ids; rebuild it with 03_expand_vocab.py")
-    return model, tok, vocab, data, item_tok
+    cfg_path = os.path.join(model_dir, "sft_config.json")
+    sft_cfg = load_json(cfg_path, "rerun 05_sft.py") if os.path.exists(cfg_path) else {}
+    return model.to(device).eval(), tok, vocab, data, codes, item_tok, sft_cfg
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -283,6 +192,16 @@ def build_examples(train, num_items: int, objective: str, max_history: int, aux_
         pick = torch.randint(0, 2 * num_items, (n_aux,), generator=g).tolist()   # text->SID or SID->text
         aux = [(1 + p % 2, p // 2, 0) for p in pick]
     return rec, aux
+
+
+def validation_users(train, n: int, seed: int):
+    """User ids whose train part is non-empty (their validation prompt has a history); with 0 < n < their
+    number, a fixed random subset of n of them (sorted): positions in that list are mapped back to user ids."""
+    users = [u for u in range(len(train)) if len(train[u]) > 0]
+    if n and n < len(users):
+        g = torch.Generator().manual_seed(seed)
+        users = sorted(users[i] for i in torch.randperm(len(users), generator=g)[:n].tolist())
+    return users
 
 
 def check_template(template: str, objective: str):
@@ -438,39 +357,45 @@ def validate(model, val_rows, batch_size, pad_id, device, ctx, K, rank=0, world=
 
 
 # ---------------------------------------------------------------------------------------------------
-# Saving: the unwrapped model as an HF folder (atomic swap), the resumable training state
+# Resume: the whole training state in <save>.resume.pt, written at each validation, read by --resume
 # ---------------------------------------------------------------------------------------------------
-def save_folder(dst, model, tok, extra: dict):
-    """save_pretrained into <dst>.tmp, then swap it in. A kill at any line leaves <dst> or <dst>.old whole;
-    the next call clears both leftovers first."""
-    tmp, old = f"{dst}.tmp", f"{dst}.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
-        os.replace(old, dst)
-    shutil.rmtree(old, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    for name, obj in extra.items():
-        with open(os.path.join(tmp, name), "w") as f:
-            json.dump(obj, f, indent=2)
-    if os.path.exists(dst):
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    shutil.rmtree(old, ignore_errors=True)
+RESUME_KEYS = ("model", "objective", "softmax", "template", "max_history", "aux_tasks", "aux_ratio", "steps",
+               "epochs", "batch_size", "grad_accum", "lr", "min_lr_frac", "warmup", "weight_decay", "clip",
+               "eval_every", "val_examples", "dtype", "seed")               # must match for --resume
+
+
+def save_resume(path, model, opt, sched, state, run: dict, device):
+    """Model, optimizer, schedule, RNG and the loop's state; `run` = what --resume checks (args, sizes)."""
+    ck = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+          "rng": torch.get_rng_state(), "state": state, **run}
+    if device.type == "cuda":
+        ck["cuda_rng"] = torch.cuda.get_rng_state(device)
+    atomic_write(path, lambda t: torch.save(ck, t))
+
+
+def load_resume(path, run: dict, model, opt, sched, device) -> dict:
+    """Restore what save_resume wrote (same arguments and world size, or one line); returns the loop state."""
+    ck = load_pt(path, "rerun without --resume")
+    diff = [k for k in run["args"] if ck["args"].get(k) != run["args"][k]]
+    if diff or ck["examples"] != run["examples"] or ck["world"] != run["world"]:
+        die(f"--resume: {path} was written with other arguments ({', '.join(diff) or 'world size'}); "
+            "use the same ones or run without --resume")
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    sched.load_state_dict(ck["scheduler"])
+    torch.set_rng_state(ck["rng"])
+    if device.type == "cuda" and "cuda_rng" in ck:
+        torch.cuda.set_rng_state(ck["cuda_rng"], device)
+    return ck["state"]
 
 
 # ---------------------------------------------------------------------------------------------------
-# Main: setup (DDP or not) -> data -> model/optimizer -> loop (accumulate, clip, step, log, validate) -> save
+# Main: setup (DDP or not) -> data -> model/optimizer -> loop (validate + save, accumulate, clip, step, log)
 # ---------------------------------------------------------------------------------------------------
 def main():
     args = parse_args()
-    for name in ("steps", "batch_size", "grad_accum", "eval_every", "log_every", "max_history"):
-        if getattr(args, name) < 1:
-            die(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    if args.val_examples < 0 or args.epochs < 0 or args.lr <= 0:
-        die("--val-examples, --epochs must be >= 0 and --lr > 0")
-    if args.objective not in TEMPLATES or args.softmax not in ("full", "sid", "level"):
-        die(f"--objective {args.objective} --softmax {args.softmax}: use sequence|prompt and full|sid|level")
+    if args.epochs < 0:
+        die(f"--epochs {args.epochs}: must be >= 0")
     ddp = int(os.environ.get("RANK", -1)) != -1                       # launched by torchrun?
     if ddp:
         use_cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
@@ -497,7 +422,7 @@ def main():
     log(f"device {device}  world {world}  {dtype_note}  model {args.model}")
 
     # --- data: training examples (train parts only), validation rows (one per user) ---
-    model, tok, vocab, data, item_tok = load_sid_model(args.model, out_dir)
+    model, tok, vocab, data, _, item_tok, _ = load_sid_model(args.model, out_dir, "cpu")
     train, valid = data["train"], data["valid"].tolist()
     rec, aux = build_examples(train, len(item_tok), args.objective, args.max_history,
                               args.aux_ratio if args.aux_tasks else 0.0, args.seed)
@@ -505,88 +430,76 @@ def main():
     if not rec:
         die(f"{out_dir}/dataset.pt has no training positions (train parts shorter than 2 items)")
     encode = Encoder(tok, template, args.objective, item_tok, data["texts"], train, valid, args.max_history)
-    users = [u for u in range(len(train)) if len(train[u]) > 0]
-    if args.val_examples and args.val_examples < len(users):
-        g = torch.Generator().manual_seed(args.seed)
-        users = sorted(users[i] for i in torch.randperm(len(users), generator=g)[:args.val_examples].tolist())
-    val_rows = [encode((3, u, 0)) for u in users]
+    val_rows = [encode((3, u, 0)) for u in validation_users(train, args.val_examples, args.seed)]
     positions = vocab["level_names"] + ([] if args.objective == "sequence" else ["eos"])   # tokens per target
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    per_step = args.batch_size * args.grad_accum
+    per_step, per_rank = args.batch_size * args.grad_accum, args.batch_size // world   # examples per step / rank
     total = math.ceil(args.epochs * len(examples) / per_step) if args.epochs > 0 else args.steps
     targets = sum(len(s) - 1 for s in train if len(s) > 1)
     log(f"objective {args.objective}  softmax {args.softmax}  examples {len(rec)} recommendation "
         f"({targets} target items) + {len(aux)} auxiliary, val {len(val_rows)}  "
         f"steps {total} x {per_step} examples ({total * per_step / len(examples):.2f} epochs)")
 
-    # --- model, optimizer, schedule, resume ---
+    # --- model, optimizer, schedule; --resume restores all three and the loop state ---
     model.to(device)
-    level_tok = [torch.tensor(t) for t in vocab["token_ids"]]
-    loss_model = SIDLoss(model, args.softmax, level_tok).to(device)
+    loss_model = SIDLoss(model, args.softmax, [torch.tensor(t) for t in vocab["token_ids"]]).to(device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
                             fused=device.type in ("cuda", "cpu"))   # fused AdamW: 5x faster step on CPU
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, total))
+    run = {"args": {k: getattr(args, k) for k in RESUME_KEYS}, "examples": len(examples), "world": world}
     state = {"step": 0, "best_val": float("inf"), "best_step": -1, "loss_curve": [], "val_curve": [],
              "val_level_acc": [], "seconds": 0.0}
-    keep = ("model", "objective", "softmax", "template", "max_history", "aux_tasks", "aux_ratio", "steps",
-            "epochs", "batch_size", "grad_accum", "lr", "min_lr_frac", "warmup", "weight_decay", "clip",
-            "eval_every", "val_examples", "dtype", "seed")
     if args.resume:
-        ck = load_pt(ckpt_path, "rerun without --resume")
-        diff = [k for k in keep if ck["args"].get(k) != getattr(args, k)]
-        if diff or ck["examples"] != len(examples) or ck["world"] != world:
-            die(f"--resume: {ckpt_path} was written with other arguments ({', '.join(diff) or 'world size'}); "
-                "use the same ones or run without --resume")
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        torch.set_rng_state(ck["rng"])
-        if device.type == "cuda" and "cuda_rng" in ck:
-            torch.cuda.set_rng_state(ck["cuda_rng"], device)
-        state = ck["state"]
+        state = load_resume(ckpt_path, run, model, opt, sched, device)
         log(f"resumed from {ckpt_path} at step {state['step']}")
     train_model = DDP(loss_model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else loss_model
     sft_config = {"objective": args.objective, "template": template, "max_history": args.max_history,
                   "softmax": args.softmax, "target": "SID tokens" + ("" if args.objective == "sequence" else " + eos"),
                   "aux_tasks": args.aux_tasks, "aux_templates": AUX_TEMPLATES}
+    files = {"sid_vocab.json": json.dumps(vocab), "sft_config.json": json.dumps(sft_config, indent=2)}
 
-    def checkpoint(step):
-        """Validate; save the best model (HF folder) and the resumable state. Rank 0 writes."""
-        vloss, vacc, vpos = validate(train_model, val_rows, args.batch_size // world, pad_id, device, ctx,
-                                     len(positions), rank, world)
-        state["val_curve"].append([step, round(vloss, 5), round(vacc, 5)])
-        state["val_level_acc"].append([step, [round(x, 4) for x in vpos]])
-        better = vloss < state["best_val"]
-        if better:
-            state["best_val"], state["best_step"] = vloss, step
-            if master:
-                save_folder(save, model, tok, {"sid_vocab.json": vocab, "sft_config.json": sft_config})
-        log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f} ("
-            + " ".join(f"{n} {x:.2f}" for n, x in zip(positions, vpos)) + ")"
-            + (" | best, saved" if better else ""))
-        if master and args.resumable and 0 < step < total:              # the last step needs no resume state
-            ck = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                  "rng": torch.get_rng_state(), "state": state, "examples": len(examples), "world": world,
-                  "args": {k: getattr(args, k) for k in keep}}
-            if device.type == "cuda":
-                ck["cuda_rng"] = torch.cuda.get_rng_state(device)
-            atomic_write(ckpt_path, lambda t: torch.save(ck, t))
-        if ddp:
-            dist.barrier()
-
-    # --- loop: each micro-batch is a slice of the seeded example stream; this rank takes its share ---
-    if state["step"] == 0:
-        checkpoint(0)                                                   # the initial model's val loss
+    # --- the loop; `step` = optimizer steps done. Each micro-batch is a slice of the seeded example stream ---
     train_model.train()
-    perms, local = {}, args.batch_size // world
-    t_start, t_log = time.time(), time.time()
-    for step in range(state["step"], total):
-        batches = [collate([encode(examples[i]) for i in stream_batch(
-            len(examples), (step * args.grad_accum + micro) * args.batch_size + rank * local, local, args.seed, perms)],
-            pad_id) for micro in range(args.grad_accum)]
+    perms, first = {}, state["step"]
+    t_start = t_log = time.time()
+    for step in range(first, total + 1):
+        # validate at step 0, every --eval-every steps and at the end (a resumed step was validated already);
+        # keep the best model (rank 0 writes the folder) and the resumable state
+        if (step % args.eval_every == 0 or step == total) and not (step == first and args.resume):
+            state["seconds"] += time.time() - t_start
+            vloss, vacc, vpos = validate(train_model, val_rows, per_rank, pad_id, device, ctx, len(positions),
+                                         rank, world)
+            state["val_curve"].append([step, round(vloss, 5), round(vacc, 5)])
+            state["val_level_acc"].append([step, [round(x, 4) for x in vpos]])
+            better = vloss < state["best_val"]
+            if better:
+                state["best_val"], state["best_step"] = vloss, step
+                if master:
+                    save_folder(save, model, tok, files)
+            log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f} ("
+                + " ".join(f"{n} {x:.2f}" for n, x in zip(positions, vpos)) + ")"
+                + (" | best, saved" if better else ""))
+            if master and args.resumable and 0 < step < total:          # the last step needs no resume state
+                save_resume(ckpt_path, model, opt, sched, state, run, device)
+            if ddp:
+                dist.barrier()
+            t_start = t_log = time.time()
+        if step == total:
+            break
+        if args.stop_at and step == args.stop_at and step > first:
+            log(f"stopped after step {step} (--stop-at); continue with --resume")
+            if ddp:
+                dist.destroy_process_group()
+            return
+
+        # one optimizer step: grad_accum micro-batches, this rank's share of each, loss / all targets of the step
+        offsets = [(step * args.grad_accum + micro) * args.batch_size + rank * per_rank    # this rank's slice of
+                   for micro in range(args.grad_accum)]                                 # each micro-batch
+        batches = [collate([encode(examples[i]) for i in stream_batch(len(examples), o, per_rank, args.seed, perms)],
+                           pad_id) for o in offsets]
         n = torch.tensor([float(sum(int((b[3] != -100).sum()) for b in batches))], device=device)
         tot = torch.zeros(1, dtype=torch.float64, device=device)         # summed loss of this step
         if ddp:
@@ -611,15 +524,6 @@ def main():
             log(f"step {step + 1}/{total} | loss {state['loss_curve'][-1][1]:.4f} | "
                 f"lr {sched.get_last_lr()[0]:.2e} | gnorm {gnorm:.2f} | {ms:.0f} ms/step")
             t_log = time.time()
-        if (step + 1) % args.eval_every == 0 or step + 1 == total:
-            state["seconds"] += time.time() - t_start
-            checkpoint(step + 1)
-            t_start = t_log = time.time()
-        if args.stop_at and step + 1 == args.stop_at:
-            log(f"stopped after step {step + 1} (--stop-at); continue with --resume")
-            if ddp:
-                dist.destroy_process_group()
-            return
 
     # --- summary ---
     summary = {"loss_curve": state["loss_curve"], "val_curve": state["val_curve"], "best_step": state["best_step"],
@@ -639,6 +543,162 @@ def main():
             f"({summary['s_per_step']:.2f} s/step incl. validation)  saved {save}")
     if ddp:
         dist.destroy_process_group()
+
+
+# ===================================================================================================
+# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
+# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
+# main() because Python looks names up when main() runs, not when it is defined.
+# ===================================================================================================
+os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def die(msg: str):
+    """Bad input ends the run with one clear line on stderr and exit status 1."""
+    sys.exit(f"error: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        die(f"{message} (see `python {self.prog} --help`)")
+
+
+def parse_args() -> Args:
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
+    src = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
+    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
+    bounds = {}
+    for f in dataclasses.fields(Args):
+        flag, h, t = "--" + f.name.replace("_", "-"), docs.get(f.name, ""), hints[f.name]
+        if typing.get_origin(t) is Annotated:
+            t, bounds[f.name] = typing.get_args(t)[:2]
+        if t is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        elif typing.get_origin(t) is Literal:
+            p.add_argument(flag, choices=typing.get_args(t), default=f.default, help=f"{h} (default: {f.default})")
+        else:
+            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+    args = Args(**vars(p.parse_args()))
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
+        v = getattr(args, name)
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
+    return args
+
+
+def pick_device(name: str) -> torch.device:
+    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line, not a traceback."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but CUDA is not available; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        die("--device mps but MPS is not available; use --device cpu")
+    return torch.device(name)
+
+
+def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
+    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
+    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
+      float32:  no autocast.
+      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
+      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
+                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
+                faster); float32 elsewhere."""
+    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
+    if name == "float32" or device.type == "mps":
+        return nullcontext(), "float32"
+    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
+    torch:  atomic_write(p, lambda t: torch.save(obj, t))
+    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))       (np.save adds .npy to a str path)
+    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_folder(dst: str, model, tok, files: dict):
+    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
+    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
+    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
+    tmp, old = f"{dst}.tmp", f"{dst}.old"
+    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
+        os.replace(old, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    for name, text in files.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    if os.path.exists(dst):
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
+# do (`hint`: which step makes it), never a traceback.
+def load_artifact(path: str, hint: str, read):
+    if not os.path.isfile(path):
+        die(f"{path} not found; {hint}")
+    try:
+        return read(path)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
+    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+
+
+def load_npy(path: str, hint: str) -> np.ndarray:
+    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
+
+
+def load_json(path: str, hint: str):
+    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
+
+
+def load_hf(folder: str, hint: str, dtype=torch.float32):
+    """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
+    try:
+        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as e:
+        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
+
+
+def items_key(ds: dict) -> str:
+    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
+    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
+    return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ target = last item; --split valid: history = train part, target = validation ite
 seen <= --cold-max times in the train parts. model - most-popular differences come with a paired bootstrap
 95% interval over users. When baselines/sasrec.py has scored the same users, its row is printed too.
 
-Reads:  <model>/ (HF folder + sid_vocab.json [+ sft_config.json]), <out-dir>/dataset.pt, sids.npy,
+Reads:  <model>/ (HF folder + sid_vocab.json [+ sft_config.json]), <out-dir>/dataset.pt,
         [<out-dir>/sasrec/eval_<split>.json]. Default --out-dir: two levels above --model.
 Writes: <model>/eval_<split>.json (history excluded) and/or eval_<split>_keep.json (history kept); with
         --search exact eval_<split>_exact[_keep].json: metrics, cold metrics + count, most-popular,
@@ -50,36 +50,28 @@ CPU:  python 06_eval.py --model out/ml-100k/models/centroid+gti+sft          (94
 GPU:  python 06_eval.py --model out/ml-100k/models/centroid+gti+sft --device cuda --batch-size 128
 Good run prints a markdown table: model vs most-popular (vs SASRec), all users and cold targets.
 """
-# ---------------------------------------------------------------------------------------------------
-# Shared boilerplate: COPY this block into each numbered script (no imports between numbered scripts;
-# duplication is accepted, cleanrl-style). Keep names identical across scripts.
-# ---------------------------------------------------------------------------------------------------
 import argparse
 import ast
+import copy
 import dataclasses
+import hashlib
 import inspect
 import json
+import math
 import os
 import random
 import shutil
 import sys
 import time
+import typing
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-import copy  # noqa: E402  (step-specific imports)
-import math  # noqa: E402
-from contextlib import nullcontext  # noqa: E402
-
-import torch.nn.functional as F  # noqa: E402
-
-from tqdm import tqdm  # noqa: E402
+import torch.nn.functional as F
+from tqdm import tqdm
 
 
 @dataclass
@@ -87,113 +79,33 @@ class Args:
     model: str = "out/ml-100k/models/centroid+gti+sft"
     """model folder (05_sft.py output; any 03/04 folder works too)"""
     out_dir: str = ""
-    """artifacts folder with dataset.pt and sids.npy (default: two levels above --model)"""
-    split: str = "test"
-    """test | valid"""
-    beam: int = 20
+    """artifacts folder with dataset.pt (default: two levels above --model)"""
+    split: Literal["test", "valid"] = "test"
+    """test: history = sequence[:-1], target = last item; valid: history = train part, target = validation item"""
+    beam: Annotated[int, ">= 1"] = 20
     """beam width = length of each user's ranked list"""
-    batch_size: int = 16
+    batch_size: Annotated[int, ">= 1"] = 16
     """users per batch (each becomes batch_size x beam rows after the prefill)"""
-    max_history: int = 0
+    max_history: Annotated[int, ">= 0"] = 0
     """history items in the prompt (0: sft_config.json's value, else 20)"""
-    cold_max: int = 10
+    cold_max: Annotated[int, ">= 0"] = 10
     """a test target is cold when it occurs <= this many times in the train parts"""
-    users: int = 0
+    users: Annotated[int, ">= 0"] = 0
     """evaluate only the first N users (0: all)"""
-    device: str = "auto"
-    """auto | cpu | cuda | mps"""
-    protocol: str = "both"
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """auto = cuda, else mps, else cpu"""
+    protocol: Literal["excluded", "kept", "both"] = "both"
     """excluded (rank only items the user has not seen: RecBole's full-sort protocol, in the search for the
     model and for most-popular alike) | kept (the TIGER-style protocol of the Amazon papers) | both (one
     prefill per batch serves both searches)"""
-    dtype: str = "auto"
-    """auto (bf16 autocast of the LM body on CUDA and on CPUs with native bf16) | float32 | bfloat16;
-    weights, head and log-softmax stay fp32"""
-    search: str = "beam"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """bf16 autocast of the LM body or not (auto = bf16 on CUDA and on CPUs with native bf16); weights, head
+    and log-softmax stay fp32 (a bf16 head ties or reorders beam scores within ~0.1 nats)"""
+    search: Literal["beam", "exact"] = "beam"
     """beam (one beam search of width --beam: approximate top-K, the papers' protocol; the json says which
     lists are certified exact) | exact (certified-exact top-K: the beam widened, per user, until certified)"""
     seed: int = 0
     """seeds random, numpy and torch"""
-
-
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Args):
-        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
-        else:
-            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
-    return Args(**vars(p.parse_args()))
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name not in ("cpu", "cuda", "mps"):
-        die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
-    return torch.device(name)
-
-
-def pick_autocast(name: str, device: torch.device):
-    """--dtype -> (autocast context, note). Weights, optimizer and the loss's softmax stay fp32; auto = bf16
-    autocast on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX: a training step of SmolLM2-135M ran
-    1.7x faster there), float32 elsewhere (emulated bf16 is slower than fp32)."""
-    if name not in ("auto", "float32", "bfloat16"):
-        die(f"unknown --dtype {name!r}; use auto|float32|bfloat16")
-    native = device.type == "cuda" or (device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported",
-                                                                         lambda: False)())
-    if name == "float32" or (name == "auto" and not native) or device.type == "mps":
-        return nullcontext(), "float32" + (" (this CPU has no native bf16)" if name == "auto" and not native else "")
-    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-# torch.save:  atomic_write(p, lambda t: torch.save(obj, t))
-# numpy:       atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (np.save adds .npy to str paths!)
-# json:        atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))
-# HF folder:   save_pretrained into f"{dst}.tmp", then swap: rename old dst away, rename tmp -> dst, rmtree old.
-
-
-def load_pt(path: str, hint: str):
-    """torch.load(weights_only=True) with a one-line error that says which step makes the file."""
-    if not os.path.exists(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -203,43 +115,35 @@ DEFAULT_TEMPLATE = "User history: {history}\nNext item:"   # 05_sft.py's prompt-
 
 
 def load_sid_model(model_dir: str, out_dir: str, device):
-    """Load model + tokenizer + sid_vocab.json and check they match <out-dir>'s dataset.pt / sids.npy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    vocab_path = os.path.join(model_dir, "sid_vocab.json")
-    if not os.path.isdir(model_dir):
-        die(f"{model_dir} not found; run 03_expand_vocab.py (and 05_sft.py) first")
-    if not os.path.exists(vocab_path):
-        die(f"{vocab_path} not found: {model_dir} has no SID tokens; use a folder made by 03_expand_vocab.py, "
-            "04_ground.py or 05_sft.py")
-    vocab = json.load(open(vocab_path))
+    """A folder made by 03, 04 or 05 (HF model + tokenizer + sid_vocab.json [+ sft_config.json]) and the
+    dataset.pt whose items its SIDs name, checked against each other (the same function in 04, 05 and 06).
+    Returns the fp32 model on `device`, tokenizer, sid_vocab, dataset, codes (N, L+1) every item's SID as
+    codes, item_tok (N, L+1) the same as token ids, and sft_config.json ({} when absent)."""
+    path, hint = os.path.join(model_dir, "sid_vocab.json"), "use a folder made by 03_expand_vocab.py (or 04/05)"
+    vocab = load_json(path, hint)
     data = load_pt(os.path.join(out_dir, "dataset.pt"), "run 01_embed_items.py first (or pass --out-dir)")
-    sids_path = os.path.join(out_dir, "sids.npy")
-    if not os.path.exists(sids_path):
-        die(f"{sids_path} not found; run 02_rqvae.py first (or pass --out-dir)")
-    sids = np.load(sids_path)
-    n = len(data["item_ids"])
-    letters = vocab["level_names"]
-    if len(vocab["item_sids"]) != n or sids.shape != (n, vocab["num_levels"]):
-        die(f"{vocab_path} describes {len(vocab['item_sids'])} items x {vocab['num_levels']} levels but "
-            f"{out_dir} has {n} items, sids.npy {tuple(sids.shape)}; the model was built for another "
-            f"dataset: rerun 03_expand_vocab.py --out-dir {out_dir}")
-    expect = ["".join(f"<{letters[l]}_{c}>" for l, c in enumerate(row)) for row in sids.tolist()]
-    bad = [i for i in range(n) if expect[i] != vocab["item_sids"][i]]
-    if bad:
-        die(f"{vocab_path}: item {bad[0]} has SID {vocab['item_sids'][bad[0]]} but {sids_path} says "
-            f"{expect[bad[0]]} ({len(bad)} items differ); rerun 03_expand_vocab.py after 02_rqvae.py")
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    item_tok = torch.tensor(vocab["item_token_ids"], dtype=torch.long)               # (N, L+1)
-    names = tok.convert_ids_to_tokens(item_tok.flatten().tolist())
-    if names != [t for s in expect for t in s.replace("><", ">\n<").split("\n")]:
+    if not isinstance(data, dict) or not {"item_ids", "texts", "sequences", "train", "valid", "test",
+                                          "popularity"} <= data.keys():
+        die(f"{out_dir}/dataset.pt lacks the fields 01_embed_items.py writes; rerun it (or pass --out-dir)")
+    try:
+        codes = np.array(vocab["item_codes"], dtype=np.int64)                        # (N, L+1)
+        item_tok = torch.tensor(vocab["item_token_ids"], dtype=torch.long)           # (N, L+1)
+        names = [f"<{vocab['level_names'][l]}_{c}>" for row in codes.tolist() for l, c in enumerate(row)]
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        die(f"{path} lacks what 03_expand_vocab.py writes ({type(e).__name__}: {e}); rebuild the folder with 03")
+    if vocab.get("items_key") != items_key(data) or codes.shape != item_tok.shape:
+        die(f"{path} was built for another dataset than {out_dir}/dataset.pt ({len(codes)} items vs "
+            f"{len(data['item_ids'])}, or other ids/texts); rerun 03_expand_vocab.py --out-dir {out_dir} "
+            "or pass --out-dir")
+    tok, model = load_hf(model_dir, hint)
+    if tok.convert_ids_to_tokens(item_tok.flatten().tolist()) != names:
         die(f"{model_dir}: the tokenizer does not hold the SID tokens listed in sid_vocab.json; "
             "rebuild the folder with 03_expand_vocab.py")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     if model.get_input_embeddings().num_embeddings <= int(item_tok.max()):
         die(f"{model_dir}: embedding matrix smaller than the SID token ids; rebuild it with 03_expand_vocab.py")
     cfg_path = os.path.join(model_dir, "sft_config.json")
-    sft_cfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
-    return model, tok, vocab, data, sids, item_tok, sft_cfg
+    sft_cfg = load_json(cfg_path, "rerun 05_sft.py") if os.path.exists(cfg_path) else {}
+    return model.to(device).eval(), tok, vocab, data, codes, item_tok, sft_cfg
 
 
 def encode_prompt(pre_ids, post_ids, item_tok, history):
@@ -557,7 +461,7 @@ def report(args, protocol, exclude, topk, targets, histories, pop, out_dir, extr
     rows = [(f"model (all, n={len(targets)})", res["model"]), ("most popular (all)", res["most_popular"])]
     sasrec = os.path.join(out_dir, "sasrec", f"eval_{args.split}.json")      # baselines/sasrec.py, same protocol
     key = "exclude_history" if exclude else "keep_history"
-    ref = json.load(open(sasrec)) if os.path.exists(sasrec) else {}
+    ref = load_json(sasrec, "rerun baselines/sasrec.py") if os.path.exists(sasrec) else {}
     if ref.get("users") == len(targets) and key in ref:
         res["sasrec"], res["cold_sasrec"] = ref[key]["model"], ref[key]["cold_model"]
         rows.append(("SASRec (all)", res["sasrec"]))
@@ -579,12 +483,6 @@ def report(args, protocol, exclude, topk, targets, histories, pop, out_dir, extr
 def main():
     args = parse_args()
     seed_everything(args.seed)
-    if args.split not in ("test", "valid") or args.protocol not in ("excluded", "kept", "both"):
-        die(f"--split {args.split} --protocol {args.protocol}: use test|valid and excluded|kept|both")
-    if args.search not in ("beam", "exact"):
-        die(f"unknown --search {args.search!r}; use beam|exact")
-    if args.beam < 1 or args.batch_size < 1 or args.users < 0 or args.max_history < 0:
-        die("--beam and --batch-size must be >= 1, --users and --max-history >= 0")
     device = pick_device(args.device)
     ctx, dtype_note = pick_autocast(args.dtype, device)
     out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
@@ -631,6 +529,162 @@ def exactness(width, k: int) -> dict:
     print(f"top-{k} lists certified exact: {int((w > 0).sum())}/{n} (users per certifying width, 0 = not "
           f"certified: {out['certified_width_counts']})")
     return out
+
+
+# ===================================================================================================
+# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
+# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
+# main() because Python looks names up when main() runs, not when it is defined.
+# ===================================================================================================
+os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def die(msg: str):
+    """Bad input ends the run with one clear line on stderr and exit status 1."""
+    sys.exit(f"error: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        die(f"{message} (see `python {self.prog} --help`)")
+
+
+def parse_args() -> Args:
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
+    src = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
+    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
+    bounds = {}
+    for f in dataclasses.fields(Args):
+        flag, h, t = "--" + f.name.replace("_", "-"), docs.get(f.name, ""), hints[f.name]
+        if typing.get_origin(t) is Annotated:
+            t, bounds[f.name] = typing.get_args(t)[:2]
+        if t is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        elif typing.get_origin(t) is Literal:
+            p.add_argument(flag, choices=typing.get_args(t), default=f.default, help=f"{h} (default: {f.default})")
+        else:
+            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+    args = Args(**vars(p.parse_args()))
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
+        v = getattr(args, name)
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
+    return args
+
+
+def pick_device(name: str) -> torch.device:
+    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line, not a traceback."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but CUDA is not available; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        die("--device mps but MPS is not available; use --device cpu")
+    return torch.device(name)
+
+
+def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
+    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
+    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
+      float32:  no autocast.
+      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
+      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
+                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
+                faster); float32 elsewhere."""
+    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
+    if name == "float32" or device.type == "mps":
+        return nullcontext(), "float32"
+    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
+    torch:  atomic_write(p, lambda t: torch.save(obj, t))
+    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))       (np.save adds .npy to a str path)
+    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_folder(dst: str, model, tok, files: dict):
+    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
+    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
+    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
+    tmp, old = f"{dst}.tmp", f"{dst}.old"
+    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
+        os.replace(old, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    for name, text in files.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    if os.path.exists(dst):
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
+# do (`hint`: which step makes it), never a traceback.
+def load_artifact(path: str, hint: str, read):
+    if not os.path.isfile(path):
+        die(f"{path} not found; {hint}")
+    try:
+        return read(path)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
+    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+
+
+def load_npy(path: str, hint: str) -> np.ndarray:
+    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
+
+
+def load_json(path: str, hint: str):
+    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
+
+
+def load_hf(folder: str, hint: str, dtype=torch.float32):
+    """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
+    try:
+        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as e:
+        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
+
+
+def items_key(ds: dict) -> str:
+    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
+    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
+    return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

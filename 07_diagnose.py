@@ -10,7 +10,8 @@ each model folder, per level and for all levels together:
                the parent of level-l code k is the majority level-(l-1) code of the items carrying k.
   RSA          Spearman(upper triangle of cos(rows centered per level), same of centroids.pt / RQ-VAE codebooks).
   popularity   freq(token) = training interactions of the items carrying it; |Spearman(freq, projection on PC1)|
-               and a 5-fold ridge probe R^2 for log(1 + freq) (lambda chosen by leave-one-out inside each fold).
+               and a 5-fold ridge probe R^2 for log(1 + freq) (lambda chosen by an inner 5-fold CV on each
+               training part).
   purity       item vector = mean of its SID rows; share of its 10 nearest items (cosine) with its category,
                against the same on item_emb.npy, on random Gaussian SID rows, and chance (null when the rows
                are collapsed: every neighbour is then a tie).
@@ -25,13 +26,10 @@ GPU:  not needed; the same command (only embedding rows are read, via safetensor
 Good run: one line per model, e.g. `random   erank 480.1  rsa_cent 0.02  pop|rho| 0.05  purity 0.31`; mean init
 shows erank 1.0 (collapsed), centroid init a high rsa_cent; item_emb purity is the semantic ceiling.
 """
-# ---------------------------------------------------------------------------------------------------
-# Shared boilerplate: COPY this block into each numbered script (no imports between numbered scripts;
-# duplication is accepted, cleanrl-style). Keep names identical across scripts.
-# ---------------------------------------------------------------------------------------------------
 import argparse
 import ast
 import dataclasses
+import hashlib
 import inspect
 import json
 import os
@@ -39,13 +37,13 @@ import random
 import shutil
 import sys
 import time
+import typing
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @dataclass
@@ -60,84 +58,21 @@ class Args:
     """comma-separated labels for --models (default: each folder's name)"""
     save: str = ""
     """diagnostics JSON path (default: <out-dir>/diagnostics.json); figures go beside it"""
-    k: int = 10
+    k: Annotated[int, ">= 1"] = 10
     """neighbours for semantic purity"""
-    folds: int = 5
+    folds: Annotated[int, ">= 1"] = 5
     """cross-validation folds of the popularity probe"""
     rtol: float = 1e-3
     """rows whose centered norm is <= rtol of their norm are collapsed (effective rank 1); singular values
     <= rtol * the largest are dropped as float noise"""
-    heatmap_max: int = 1024
+    heatmap_max: Annotated[int, ">= 1"] = 1024
     """at most this many tokens per cosine heatmap (evenly subsampled per level beyond it)"""
     figures: bool = True
     """write the PNG figures"""
-    device: str = "cpu"
-    """auto | cpu | cuda | mps for the nearest-neighbour search of the purity (the rest is small numpy math)"""
+    device: Literal["auto", "cpu", "cuda", "mps"] = "cpu"
+    """for the nearest-neighbour search of the purity (the rest is small numpy math)"""
     seed: int = 0
     """seeds the random-row purity reference and the probe folds"""
-
-
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Args):
-        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
-        else:
-            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
-    return Args(**vars(p.parse_args()))
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name not in ("cpu", "cuda", "mps"):
-        die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
-    return torch.device(name)
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_pt(path: str, hint: str):
-    """torch.load(weights_only=True) with a one-line error that says which step makes the file."""
-    if not os.path.exists(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -274,10 +209,13 @@ def load_embedding(folder: str) -> np.ndarray:
     from safetensors import safe_open
     files = [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            keys = [k for k in f.keys() if "embed_tokens" in k]
-            if keys:
-                return f.get_tensor(keys[0]).float().numpy()
+        try:
+            with safe_open(path, framework="pt") as f:
+                keys = [k for k in f.keys() if "embed_tokens" in k]
+                if keys:
+                    return f.get_tensor(keys[0]).float().numpy()
+        except Exception as e:                                          # truncated or not safetensors
+            die(f"{path} is unreadable ({type(e).__name__}); rebuild {folder} with the step that made it")
     try:                                                                # other layouts: build the model
         from transformers import AutoModelForCausalLM
         m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -292,12 +230,12 @@ def load_model_rows(folder: str, sids: np.ndarray):
         die(f"model folder {folder} does not exist; run 03_expand_vocab.py first or fix --models")
     if not os.path.exists(path):
         die(f"{folder} has no SID tokens ({path} missing); give a folder written by 03_expand_vocab.py")
+    voc = load_json(path, "rerun 03_expand_vocab.py")
     try:
-        voc = json.load(open(path))
         tok = [np.asarray(t, dtype=np.int64) for t in voc["token_ids"]]
         item_tok = np.asarray(voc["item_token_ids"], dtype=np.int64)    # (N, L+1)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}: {e}); rerun 03_expand_vocab.py")
+    except (KeyError, TypeError, ValueError) as e:
+        die(f"{path} lacks what 03_expand_vocab.py writes ({type(e).__name__}: {e}); rerun 03_expand_vocab.py")
     if item_tok.shape != sids.shape or len(tok) != sids.shape[1]:
         die(f"{path} has {item_tok.shape} item tokens but sids.npy is {sids.shape}; rerun 03_expand_vocab.py after 02")
     expect = np.stack([tok[l][sids[:, l]] for l in range(sids.shape[1])], 1) if all(
@@ -445,19 +383,15 @@ def _save(fig, path):
 # ---------------------------------------------------------------------------------------------------
 def main():
     a = parse_args()
+    if a.folds < 2:
+        die(f"--folds {a.folds}: the popularity probe needs >= 2 folds")
     t0 = time.time()
     seed_everything(a.seed)
     out = a.out_dir or os.path.join("out", a.dataset)
     hint = "run 01_embed_items.py and 02_rqvae.py first"
     ds = load_pt(os.path.join(out, "dataset.pt"), hint)
-    sids_path = os.path.join(out, "sids.npy")
-    if not os.path.exists(sids_path):
-        die(f"{sids_path} not found; run 02_rqvae.py first")
-    sids = np.load(sids_path)
-    emb_path = os.path.join(out, "item_emb.npy")
-    if not os.path.exists(emb_path):
-        die(f"{emb_path} not found; run 01_embed_items.py first")
-    item_emb = np.load(emb_path)
+    sids = load_npy(os.path.join(out, "sids.npy"), "run 02_rqvae.py first")
+    item_emb = load_npy(os.path.join(out, "item_emb.npy"), "run 01_embed_items.py first")
     cents = load_pt(os.path.join(out, "centroids.pt"), "run 02_rqvae.py first")
     rq = load_pt(os.path.join(out, "rqvae.pt"), "run 02_rqvae.py first")
     try:
@@ -465,8 +399,10 @@ def main():
         data = {"sids": sids, "pop": pop, "category": cat,
                 "centroids": [c.float().numpy() for c in cents["centroids"]],
                 "codebooks": [c.float().numpy() for c in rq["codebooks"]]}
-    except (KeyError, AttributeError) as e:
+    except (KeyError, AttributeError, TypeError) as e:
         die(f"{out}: dataset.pt / centroids.pt / rqvae.pt lack field {e}; rerun 01 and 02")
+    if sids.ndim != 2 or sids.dtype.kind not in "iu" or item_emb.ndim != 2:
+        die(f"{out}: sids.npy must be an int array [N, L+1] and item_emb.npy [N, d]; rerun 01 and 02")
     if not (len(sids) == len(item_emb) == len(cat) == len(pop)) or len(data["centroids"]) != sids.shape[1]:
         die(f"{out}: dataset.pt, item_emb.npy, sids.npy, centroids.pt disagree in size; rerun 01 and 02")
     if len(data["codebooks"]) != sids.shape[1] - 1:
@@ -480,6 +416,8 @@ def main():
                          if os.path.exists(os.path.join(root, m, "sid_vocab.json")))
         if not folders:
             die(f"no model folder with sid_vocab.json under {root}; run 03_expand_vocab.py first")
+    if a.k >= len(sids):
+        die(f"--k {a.k}: purity needs fewer neighbours than the {len(sids)} items")
     labels = a.names.split(",") if a.names else [os.path.basename(os.path.normpath(f)) for f in folders]
     if len(labels) != len(folders) or len(set(labels)) != len(labels):
         die(f"--names must give {len(folders)} distinct labels, one per model (got {labels}); folder names clash")
@@ -516,6 +454,162 @@ def main():
                "reference": reference, "models": results, "figures": figs, "seconds": round(time.time() - t0, 2)}
     atomic_write(save, lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
     print(f"wrote {save} and {len(figs)} figures in {summary['seconds']:.1f}s")
+
+
+# ===================================================================================================
+# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
+# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
+# main() because Python looks names up when main() runs, not when it is defined.
+# ===================================================================================================
+os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def die(msg: str):
+    """Bad input ends the run with one clear line on stderr and exit status 1."""
+    sys.exit(f"error: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        die(f"{message} (see `python {self.prog} --help`)")
+
+
+def parse_args() -> Args:
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
+    src = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
+    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
+    bounds = {}
+    for f in dataclasses.fields(Args):
+        flag, h, t = "--" + f.name.replace("_", "-"), docs.get(f.name, ""), hints[f.name]
+        if typing.get_origin(t) is Annotated:
+            t, bounds[f.name] = typing.get_args(t)[:2]
+        if t is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        elif typing.get_origin(t) is Literal:
+            p.add_argument(flag, choices=typing.get_args(t), default=f.default, help=f"{h} (default: {f.default})")
+        else:
+            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+    args = Args(**vars(p.parse_args()))
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
+        v = getattr(args, name)
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
+    return args
+
+
+def pick_device(name: str) -> torch.device:
+    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line, not a traceback."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but CUDA is not available; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        die("--device mps but MPS is not available; use --device cpu")
+    return torch.device(name)
+
+
+def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
+    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
+    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
+      float32:  no autocast.
+      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
+      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
+                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
+                faster); float32 elsewhere."""
+    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
+    if name == "float32" or device.type == "mps":
+        return nullcontext(), "float32"
+    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
+    torch:  atomic_write(p, lambda t: torch.save(obj, t))
+    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))       (np.save adds .npy to a str path)
+    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_folder(dst: str, model, tok, files: dict):
+    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
+    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
+    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
+    tmp, old = f"{dst}.tmp", f"{dst}.old"
+    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
+        os.replace(old, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    for name, text in files.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    if os.path.exists(dst):
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
+# do (`hint`: which step makes it), never a traceback.
+def load_artifact(path: str, hint: str, read):
+    if not os.path.isfile(path):
+        die(f"{path} not found; {hint}")
+    try:
+        return read(path)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
+    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+
+
+def load_npy(path: str, hint: str) -> np.ndarray:
+    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
+
+
+def load_json(path: str, hint: str):
+    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
+
+
+def load_hf(folder: str, hint: str, dtype=torch.float32):
+    """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
+    try:
+        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as e:
+        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
+
+
+def items_key(ds: dict) -> str:
+    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
+    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
+    return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

@@ -39,27 +39,27 @@ The defaults were chosen to fit `make run`: with lr 1e-3 (up to 200 epochs, one 
 epoch was 85 and the run took 6 min for the same test numbers (0.211 / 0.111 history excluded). Same seed ->
 same numbers on CPU (CUDA kernels may differ slightly).
 """
-# ---------------------------------------------------------------------------------------------------
-# Shared boilerplate: COPY of the numbered scripts' block (keep names identical across scripts).
-# ---------------------------------------------------------------------------------------------------
 import argparse
 import ast
 import dataclasses
+import hashlib
+import importlib.util
 import inspect
 import json
 import os
 import random
+import shutil
 import sys
 import time
+import typing
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
-
-import importlib.util  # noqa: E402  (baseline-specific imports)
-
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch.nn as nn
+import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,99 +68,36 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Args:
     out_dir: str = "out/ml-100k"
     """artifacts folder with dataset.pt; results go to <out-dir>/sasrec/"""
-    max_len: int = 50
+    max_len: Annotated[int, ">= 1"] = 50
     """items fed to the model (training windows and test histories are cut to this length)"""
-    dim: int = 64
+    dim: Annotated[int, ">= 1"] = 64
     """embedding and hidden size d"""
-    blocks: int = 2
+    blocks: Annotated[int, ">= 1"] = 2
     """self-attention blocks"""
-    heads: int = 1
+    heads: Annotated[int, ">= 1"] = 1
     """attention heads (must divide --dim)"""
     dropout: float = 0.2
     """dropout on embeddings, attention weights and residual branches"""
-    lr: float = 3e-3
+    lr: Annotated[float, "> 0"] = 3e-3
     """Adam learning rate (1e-3 gives the same test numbers in 2.4x the epochs; see the docstring)"""
-    batch_size: int = 128
+    batch_size: Annotated[int, ">= 1"] = 128
     """training windows per step"""
-    epochs: int = 45
+    epochs: Annotated[int, ">= 1"] = 45
     """maximum passes over all training windows (the best validation epoch is kept)"""
-    eval_every: int = 5
+    eval_every: Annotated[int, ">= 1"] = 5
     """validation Recall@10 every N epochs"""
-    patience: int = 5
+    patience: Annotated[int, ">= 1"] = 5
     """stop after this many evaluations without a better validation Recall@10"""
-    cold_max: int = 10
+    cold_max: Annotated[int, ">= 0"] = 10
     """a test target is cold when it occurs <= this many times in the train parts"""
-    users: int = 0
+    users: Annotated[int, ">= 0"] = 0
     """score only the first N users on the test split (0: all); training always uses all users"""
-    eval_batch: int = 256
+    eval_batch: Annotated[int, ">= 1"] = 256
     """users per scoring batch"""
-    device: str = "auto"
-    """auto | cpu | cuda | mps"""
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """auto = cuda, else mps, else cpu"""
     seed: int = 0
     """seeds random, numpy, torch (initialization, dropout, window order)"""
-
-
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Args):
-        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
-        else:
-            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
-    return Args(**vars(p.parse_args()))
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name not in ("cpu", "cuda", "mps"):
-        die(f"unknown --device {name!r}; use auto|cpu|cuda|mps")
-    return torch.device(name)
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_pt(path: str, hint: str):
-    """torch.load(weights_only=True) with a one-line error that says which step makes the file."""
-    if not os.path.exists(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
 
 
 def save_npy(path: str, arr: np.ndarray):
@@ -274,10 +211,6 @@ def rank(model, histories, max_len: int, k: int, device, batch: int, exclude: bo
 def main():
     args = parse_args()
     seed_everything(args.seed)
-    if min(args.max_len, args.dim, args.blocks, args.heads, args.batch_size, args.epochs, args.eval_every,
-           args.patience, args.eval_batch) < 1 or args.users < 0:
-        die("--max-len, --dim, --blocks, --heads, --batch-size, --epochs, --eval-every, --patience and "
-            "--eval-batch must be >= 1, --users >= 0")
     if args.dim % args.heads:
         die(f"--heads {args.heads} must divide --dim {args.dim}")
     if not 0.0 <= args.dropout < 1.0:
@@ -364,6 +297,162 @@ def main():
                                  (f"SASRec (cold <= {args.cold_max}, n={res['cold_users']})", r["cold_model"]),
                                  ("most popular (cold)", r["cold_most_popular"])]))
     print(f"wrote {os.path.join(save_dir, 'eval_test.json')}  ({time.time() - t0:.0f}s)")
+
+
+# ===================================================================================================
+# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
+# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
+# main() because Python looks names up when main() runs, not when it is defined.
+# ===================================================================================================
+os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def die(msg: str):
+    """Bad input ends the run with one clear line on stderr and exit status 1."""
+    sys.exit(f"error: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        die(f"{message} (see `python {self.prog} --help`)")
+
+
+def parse_args() -> Args:
+    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
+    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
+    src = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
+    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
+    bounds = {}
+    for f in dataclasses.fields(Args):
+        flag, h, t = "--" + f.name.replace("_", "-"), docs.get(f.name, ""), hints[f.name]
+        if typing.get_origin(t) is Annotated:
+            t, bounds[f.name] = typing.get_args(t)[:2]
+        if t is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        elif typing.get_origin(t) is Literal:
+            p.add_argument(flag, choices=typing.get_args(t), default=f.default, help=f"{h} (default: {f.default})")
+        else:
+            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+    args = Args(**vars(p.parse_args()))
+    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
+        op, limit = bound.split()
+        v = getattr(args, name)
+        if not (v >= float(limit) if op == ">=" else v > float(limit)):
+            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
+    return args
+
+
+def pick_device(name: str) -> torch.device:
+    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line, not a traceback."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but CUDA is not available; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        die("--device mps but MPS is not available; use --device cpu")
+    return torch.device(name)
+
+
+def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
+    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
+    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
+      float32:  no autocast.
+      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
+      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
+                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
+                faster); float32 elsewhere."""
+    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
+    if name == "float32" or device.type == "mps":
+        return nullcontext(), "float32"
+    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
+    torch:  atomic_write(p, lambda t: torch.save(obj, t))
+    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))       (np.save adds .npy to a str path)
+    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_folder(dst: str, model, tok, files: dict):
+    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
+    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
+    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
+    tmp, old = f"{dst}.tmp", f"{dst}.old"
+    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
+        os.replace(old, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    for name, text in files.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    if os.path.exists(dst):
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
+# do (`hint`: which step makes it), never a traceback.
+def load_artifact(path: str, hint: str, read):
+    if not os.path.isfile(path):
+        die(f"{path} not found; {hint}")
+    try:
+        return read(path)
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
+
+
+def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
+    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+
+
+def load_npy(path: str, hint: str) -> np.ndarray:
+    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
+
+
+def load_json(path: str, hint: str):
+    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
+
+
+def load_hf(folder: str, hint: str, dtype=torch.float32):
+    """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
+    try:
+        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as e:
+        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
+
+
+def items_key(ds: dict) -> str:
+    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
+    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
+    return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def main():
     args = sft.parse_args()
     device = sft.pick_device(args.device)
     out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
-    model, tok, vocab, data, item_tok = sft.load_sid_model(args.model, out_dir)
+    model, tok, vocab, data, _, item_tok, _ = sft.load_sid_model(args.model, out_dir, "cpu")
     model.to(device).train()
     level_tok = [torch.tensor(t) for t in vocab["token_ids"]]
     state0 = {k: v.clone() for k, v in model.state_dict().items()}

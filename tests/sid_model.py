@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import torch
+from conftest import load_script
 
 
 def make_sid_model(out_dir, src, dst, seed=0):
@@ -28,7 +29,9 @@ def make_sid_model(out_dir, src, dst, seed=0):
              "token_ids": token_ids,
              "item_token_ids": [[token_ids[l][c] for l, c in enumerate(row)] for row in sids.tolist()],
              "item_sids": ["".join(f"<{letters[l]}_{c}>" for l, c in enumerate(row)) for row in sids.tolist()],
-             "init": "mean"}
+             "item_codes": sids.tolist(), "init": "mean",
+             "items_key": load_script("03_expand_vocab.py").items_key(
+                 torch.load(os.path.join(out_dir, "dataset.pt"), weights_only=True))}
     with open(os.path.join(dst, "sid_vocab.json"), "w") as f:
         json.dump(vocab, f)
     return dst

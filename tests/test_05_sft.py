@@ -205,9 +205,9 @@ def test_save_folder_survives_a_kill_between_renames(tmp_path):
     tiny = make_tiny_model(str(tmp_path / "tiny"))
     model, tok = AutoModelForCausalLM.from_pretrained(tiny), AutoTokenizer.from_pretrained(tiny)
     dst = str(tmp_path / "m")
-    sft.save_folder(dst, model, tok, {"a.json": {"v": 1}})
+    sft.save_folder(dst, model, tok, {"a.json": json.dumps({"v": 1})})
     os.replace(dst, dst + ".old")                                              # the state after the first rename
     os.makedirs(dst + ".tmp")                                                  # and a half-written tmp
-    sft.save_folder(dst, model, tok, {"a.json": {"v": 2}})
+    sft.save_folder(dst, model, tok, {"a.json": json.dumps({"v": 2})})
     assert json.load(open(os.path.join(dst, "a.json"))) == {"v": 2}
     assert sorted(os.listdir(tmp_path)) == ["m", "tiny"]
