@@ -14,6 +14,16 @@ per-code centroids are the centroid paper's mu_{l,k} (Loveland et al. 2026, Algo
                 numbered in item order (stable), so every SID is unique
     centroids: mu_{l,k} = mean of x_i over the items with code k at level l (item-embedding space), l = 0..L
 
+--quantizer rqkmeans (the centroid paper's SIDs; also MiniOneRec's and OpenOneRec's): no encoder, residual
+    k-means on x itself: c_0 = k-means(x), r_1 = x - e^0_{c_0}, c_1 = k-means(r_1), ... (same k-means, seeded).
+    03 receives the same centroids.pt as for the RQ-VAE: mu_{l,k} = mean of the items' x (the paper's proxy).
+    At level 0 these are the k-means centers themselves; at deeper levels the k-means centers are means of
+    residuals (rqvae.pt "codebooks", what 07's RSA-to-codebook compares with), not of items.
+--collisions reassign (LC-Rec's idea, greedy instead of Sinkhorn): exactly L codes, no suffix level. Among
+    items that share all L codes the one nearest the last-level codeword keeps it; the others move to free
+    codes of the last level under the same prefix (c_0..c_{L-2}), closest (item, code) pair first. The
+    summary reports how many moved and how much farther their residual is from its new codeword.
+
 Reads:  <out-dir>/item_emb.npy (from 01_embed_items.py); dataset.pt only to check the item count.
 Writes: <out-dir>/sids.npy (int64 [N, L+1]), centroids.pt, rqvae.pt, 02_rqvae.json (docs/artifacts.md).
 --codebook-size 0 (auto) = 64 codes per level for N <= 4096 items (ML-100K: 1,682), else 256 (Beauty: 12,101).
@@ -54,6 +64,12 @@ class Args:
     """only picks the default --out-dir (out/<dataset>)"""
     out_dir: str = ""
     """artifacts folder with 01's item_emb.npy (default: out/<dataset>)"""
+    quantizer: Literal["rqvae", "rqkmeans"] = "rqvae"
+    """rqvae (TIGER: MLP encoder + residual quantization, trained) | rqkmeans (residual k-means on the item
+    embeddings, no training: the centroid paper's SIDs)"""
+    collisions: Literal["suffix", "reassign"] = "suffix"
+    """suffix (TIGER's extra level numbering the items that share L codes) | reassign (exactly L codes: move
+    colliding items to free last-level codes, nearest first)"""
     levels: Annotated[int, ">= 1"] = 3
     """L, number of residual quantization levels (the collision suffix adds one more)"""
     codebook_size: Annotated[int, ">= 0"] = 0
@@ -73,7 +89,7 @@ class Args:
     beta: float = 0.25
     """commitment weight"""
     kmeans_iters: Annotated[int, ">= 0"] = 25
-    """Lloyd iterations of the k-means codebook init"""
+    """Lloyd iterations of the k-means codebook init (rqvae) or of each level's k-means (rqkmeans)"""
     reseed_every: Annotated[int, ">= 0"] = 100
     """re-seed codes unused for this many steps (0 = never)"""
     log_every: Annotated[int, ">= 1"] = 250
@@ -169,6 +185,51 @@ def collision_suffix(codes: np.ndarray) -> np.ndarray:
     return suffix
 
 
+def rq_kmeans(x, levels: int, k: int, iters: int, gen: torch.Generator):
+    """Residual k-means: k-means on the embeddings, then on what is left, level by level.
+    x (N, d) -> codes (N, L), codebooks (L, K, d), residuals [r_0 = x, r_1, .., r_L] (each (N, d))."""
+    r, codes, books, residuals = x, [], [], [x]
+    for _ in range(levels):
+        centers, assign = kmeans(r, k, iters, gen)                            # c_l = argmin_k ||r_l - e^l_k||
+        r = r - centers[assign]                                               # r_{l+1} = r_l - e^l_{c_l}
+        codes.append(assign)
+        books.append(centers)
+        residuals.append(r)
+    return torch.stack(codes, 1), torch.stack(books), residuals
+
+
+def reassign_collisions(codes: np.ndarray, r_last, codebook):
+    """Collision-free SIDs with exactly L codes. codes (N, L); r_last (N, D) = the residual each item had
+    at the last level; codebook (K, D) = that level's codewords. Among items sharing all L codes, the one
+    nearest the codeword keeps it; the others take last-level codes no item of their prefix (c_0..c_{L-2})
+    uses, the closest (item, free code) pair first (distance ||r - e_k||). Returns new codes, moved items."""
+    codes, K = codes.copy(), codebook.shape[0]
+    dist = torch.cdist(r_last.float(), codebook.float()).numpy()              # (N, K)
+    by_prefix = {}
+    for i, key in enumerate(map(tuple, codes[:, :-1].tolist())):
+        by_prefix.setdefault(key, []).append(i)
+    moved = []
+    for prefix, items in by_prefix.items():
+        if len(set(codes[items, -1].tolist())) == len(items):
+            continue                                                          # no collision under this prefix
+        if len(items) > K:
+            die(f"{len(items)} items share the prefix {prefix} but the last level has {K} codes; use "
+                "--collisions suffix or a larger --codebook-size")
+        keep = {}                                                             # code -> the item nearest to it
+        for i in items:
+            c = codes[i, -1]
+            if c not in keep or dist[i, c] < dist[keep[c], c]:
+                keep[c] = i
+        movers = [i for i in items if keep[codes[i, -1]] != i]
+        free = [c for c in range(K) if c not in keep]
+        while movers:
+            sub = dist[np.ix_(movers, free)]                                  # (movers, free codes)
+            a, b = np.unravel_index(sub.argmin(), sub.shape)
+            codes[movers[a], -1] = free.pop(b)
+            moved.append(movers.pop(a))
+    return codes, np.array(sorted(moved), dtype=np.int64)
+
+
 def code_centroids(sids: np.ndarray, emb: np.ndarray, sizes):
     """mu_{l,k} = mean of x_i over items with sids[i, l] == k -> ([K_l, d] per level, counts [K_l])."""
     x = torch.from_numpy(emb)
@@ -202,29 +263,11 @@ def load_embeddings(out_dir: str) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------
 # main: train -> assign codes -> suffix -> centroids -> save
 # ---------------------------------------------------------------------------------------------------
-def main():
-    args = parse_args()
-    t0 = time.time()
-    seed_everything(args.seed)
-    out_dir = args.out_dir or os.path.join("out", args.dataset)
-    device = pick_device(args.device)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    print(f"device {device}  dtype float32  threads {torch.get_num_threads()}")
-    try:
-        hidden = [int(h) for h in args.hidden.split(",") if h.strip()]
-    except ValueError:
-        die(f"--hidden must be comma-separated ints, got {args.hidden!r}")
-
-    emb = load_embeddings(out_dir)                                             # (N, d)
-    N, d = emb.shape
-    K = args.codebook_size or (64 if N <= 4096 else 256)
-    x_all = torch.from_numpy(emb).to(device)
-    gen = torch.Generator().manual_seed(args.seed)                             # batch order + k-means
+def train_rqvae(args: Args, x_all, K: int, hidden, gen):
+    """The RQ-VAE loop: k-means init on the first batch, AdamW on reconstruction + quantization losses,
+    dead codes re-seeded every --reseed-every steps. Returns the model and how many codes were re-seeded."""
+    N, d, device = *x_all.shape, x_all.device
     model = RQVAE(d, hidden, args.latent_dim, args.levels, K).to(device)
-    print(f"items {N}  d {d}  levels {args.levels} x {K} codes  latent {args.latent_dim}  hidden {hidden}")
-
-    # k-means init of every level on the first batch
     perm, pos = torch.randperm(N, generator=gen), 0
     model.kmeans_init(x_all[perm[:max(args.batch_size, min(N, K))].to(device)], args.kmeans_iters, gen)
     decay = [p for n, p in model.named_parameters() if n != "codebooks" and p.dim() > 1]
@@ -266,47 +309,93 @@ def main():
                   f"{ms:.1f} ms/step | usage {usage} | re-seeded {reseeded}", flush=True)
             logged.zero_()
             t_log, last_log = time.time(), step
+    return model.eval(), reseeded
+
+
+def main():
+    args = parse_args()
+    t0 = time.time()
+    seed_everything(args.seed)
+    out_dir = args.out_dir or os.path.join("out", args.dataset)
+    device = pick_device(args.device)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    print(f"device {device}  dtype float32  threads {torch.get_num_threads()}")
+    try:
+        hidden = [int(h) for h in args.hidden.split(",") if h.strip()]
+    except ValueError:
+        die(f"--hidden must be comma-separated ints, got {args.hidden!r}")
+
+    emb = load_embeddings(out_dir)                                             # (N, d)
+    N, d = emb.shape
+    K = args.codebook_size or (64 if N <= 4096 else 256)
+    x_all = torch.from_numpy(emb).to(device)
+    gen = torch.Generator().manual_seed(args.seed)                             # batch order + k-means
+    print(f"items {N}  d {d}  {args.quantizer}  levels {args.levels} x {K} codes  collisions {args.collisions}")
+
+    # Quantize: train the RQ-VAE and encode every item, or residual k-means on the embeddings directly
+    if args.quantizer == "rqvae":
+        model, reseeded = train_rqvae(args, x_all, K, hidden, gen)
+        with torch.no_grad():
+            codes, z_q, residuals = residual_quantize(model.encoder(x_all), model.codebooks)  # (N, L)
+            x_hat, books = model.decoder(z_q), model.codebooks.detach()
+        state = {k: v.cpu() for k, v in model.state_dict().items()}
+    else:
+        codes, books, residuals = rq_kmeans(x_all, args.levels, K, args.kmeans_iters, gen)
+        x_hat, reseeded, state = x_all - residuals[-1], 0, {}                 # x_hat = sum_l e^l_{c_l}
+    err = ((x_hat - x_all) ** 2).sum()                                         # sum_i ||x_i - x_hat_i||^2
+    recon_mse = (err / x_all.numel()).item()
+    recon_rel_err = (err / ((x_all - x_all.mean(0)) ** 2).sum()).item()        # 1 - R^2 of the reconstruction
 
     # ------------------------------------------------------------------------------------------------
-    # Assign every item, add the collision suffix, report, compute centroids
+    # Make every SID unique (suffix level or re-assignment), report, compute centroids
     # ------------------------------------------------------------------------------------------------
-    model.eval()
-    with torch.no_grad():
-        z = model.encoder(x_all)
-        codes, z_q, _ = residual_quantize(z, model.codebooks)                  # (N, L)
-        err = ((model.decoder(z_q) - x_all) ** 2).sum()                          # sum_i ||x_i - x_hat_i||^2
-        recon_mse = (err / x_all.numel()).item()
-        recon_rel_err = (err / ((x_all - x_all.mean(0)) ** 2).sum()).item()    # 1 - R^2 of the reconstruction
     codes = codes.cpu().numpy().astype(np.int64)
     groups = {}
     for key in map(tuple, codes.tolist()):
         groups[key] = groups.get(key, 0) + 1
     collision_rate = 1.0 - len(groups) / N                                     # share of items with suffix > 0
     max_group = max(groups.values())
-    sids = np.concatenate([codes, collision_suffix(codes)[:, None]], 1)       # (N, L+1)
-    unique = len({tuple(r) for r in sids.tolist()})
     usage = [float(len(np.unique(codes[:, l]))) / K for l in range(args.levels)]
+    moved = {}
+    if args.collisions == "suffix":
+        sids = np.concatenate([codes, collision_suffix(codes)[:, None]], 1)   # (N, L+1)
+        sizes = [K] * args.levels + [max_group]
+    else:
+        r_last, book = residuals[args.levels - 1].cpu(), books[-1].cpu()
+        sids, who = reassign_collisions(codes, r_last, book)                  # (N, L)
+        dist = torch.cdist(r_last.float(), book.float()).numpy()
+        moved = {"moved_items": len(who), "moved_share": round(len(who) / N, 6),
+                 "moved_mean_dist_before": float(dist[who, codes[who, -1]].mean()) if len(who) else 0.0,
+                 "moved_mean_dist_after": float(dist[who, sids[who, -1]].mean()) if len(who) else 0.0,
+                 "all_mean_dist": float(dist[np.arange(N), codes[:, -1]].mean())}
+        sizes = [K] * args.levels
+    unique = len({tuple(r) for r in sids.tolist()})
     print(f"codebook usage per level {' / '.join(f'{u:.3f}' for u in usage)}  recon_mse {recon_mse:.3e}  "
           f"relative error {recon_rel_err:.3f}")
     print(f"collision rate {collision_rate:.4f} ({N - len(groups)} items share their {args.levels} codes; "
-          f"largest group {max_group}) -> {N - unique} duplicate SIDs after the suffix")
-    sizes = [K] * args.levels + [max_group]
+          f"largest group {max_group}) -> {N - unique} duplicate SIDs after the {args.collisions}")
+    if moved:
+        print(f"re-assigned {moved['moved_items']} items ({100 * moved['moved_share']:.1f}%) to free last-level "
+              f"codes: distance to their codeword {moved['moved_mean_dist_before']:.3f} -> "
+              f"{moved['moved_mean_dist_after']:.3f} (all items: {moved['all_mean_dist']:.3f})")
     cents, counts = code_centroids(sids, emb, sizes)
 
     # ------------------------------------------------------------------------------------------------
     # Save
     # ------------------------------------------------------------------------------------------------
-    config = {"d": d, "levels": args.levels, "codebook_size": K, "latent_dim": args.latent_dim, "hidden": hidden,
+    config = {"quantizer": args.quantizer, "collisions": args.collisions,
+              "d": d, "levels": args.levels, "codebook_size": K, "latent_dim": args.latent_dim, "hidden": hidden,
               "beta": args.beta, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
               "weight_decay": args.weight_decay, "kmeans_iters": args.kmeans_iters,
               "reseed_every": args.reseed_every, "seed": args.seed}
-    state = {k: v.cpu() for k, v in model.state_dict().items()}
     atomic_write(os.path.join(out_dir, "sids.npy"), lambda t: np.save(open(t, "wb"), sids))
     atomic_write(os.path.join(out_dir, "centroids.pt"),
                  lambda t: torch.save({"centroids": cents, "counts": counts, "codebook_sizes": sizes}, t))
     atomic_write(os.path.join(out_dir, "rqvae.pt"), lambda t: torch.save(
-        {"config": config, "state_dict": state, "codebooks": [c.clone() for c in state["codebooks"]]}, t))
-    summary = {"num_items": N, "unique_sids": unique, "collision_rate": round(collision_rate, 6),
+        {"config": config, "state_dict": state, "codebooks": [c.cpu().clone() for c in books]}, t))
+    summary = {"quantizer": args.quantizer, "collisions": args.collisions, **moved,
+               "num_items": N, "unique_sids": unique, "collision_rate": round(collision_rate, 6),
                "max_collision_group": max_group, "codebook_usage": usage, "recon_mse": recon_mse,
                "recon_rel_err": recon_rel_err, "codebook_sizes": sizes, "reseeded_codes": reseeded,
                "seconds": round(time.time() - t0, 1)}

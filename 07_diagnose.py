@@ -405,8 +405,9 @@ def main():
         die(f"{out}: sids.npy must be an int array [N, L+1] and item_emb.npy [N, d]; rerun 01 and 02")
     if not (len(sids) == len(item_emb) == len(cat) == len(pop)) or len(data["centroids"]) != sids.shape[1]:
         die(f"{out}: dataset.pt, item_emb.npy, sids.npy, centroids.pt disagree in size; rerun 01 and 02")
-    if len(data["codebooks"]) != sids.shape[1] - 1:
-        die(f"{out}/rqvae.pt has {len(data['codebooks'])} codebooks for {sids.shape[1] - 1} levels; rerun 02")
+    levels = sids.shape[1] - (rq.get("config", {}).get("collisions", "suffix") == "suffix")   # codes before a suffix
+    if len(data["codebooks"]) != levels:
+        die(f"{out}/rqvae.pt has {len(data['codebooks'])} codebooks for {levels} levels; rerun 02")
 
     if a.models:
         folders = [m if os.path.isdir(m) or os.sep in m else os.path.join(out, "models", m) for m in a.models.split(",")]

@@ -106,6 +106,65 @@ def test_centroids_are_member_means():
             np.testing.assert_allclose(cents[l][code].numpy(), want, atol=1e-6)
 
 
+def test_rq_kmeans_is_kmeans_on_each_levels_residual():
+    x, _, _ = blobs()
+    codes, books, res = Q.rq_kmeans(x, 2, 3, 20, torch.Generator().manual_seed(0))
+    assert codes.shape == (150, 2) and books.shape == (2, 3, 2) and len(res) == 3
+    c0, a0 = Q.kmeans(x, 3, 20, torch.Generator().manual_seed(0))                # level 0: k-means of x
+    assert torch.equal(books[0], c0) and torch.equal(codes[:, 0], a0)
+    torch.testing.assert_close(res[1], x - books[0][codes[:, 0]])                 # r_1 = x - e^0_{c_0}
+    torch.testing.assert_close(res[2], x - books[0][codes[:, 0]] - books[1][codes[:, 1]])
+    for l in range(2):                                                             # codes are nearest codewords
+        assert torch.equal(codes[:, l], torch.cdist(res[l], books[l]).argmin(1))
+
+
+def test_reassign_collisions_by_hand():
+    book = torch.tensor([[0.0], [1.0], [2.0], [3.0]])                              # last level: 4 codewords
+    codes = np.array([[0, 0], [0, 0], [0, 0], [0, 3], [1, 0], [1, 0]])
+    r = torch.tensor([[0.1], [0.4], [1.8], [3.0], [0.0], [0.2]])
+    new, moved = Q.reassign_collisions(codes, r, book)
+    # prefix 0: item 0 is nearest code 0 and keeps it; codes 1, 2 are free (3 is item 3's): item 2 (1.8) takes
+    # 2 first (distance 0.2), then item 1 (0.4) takes 1; prefix 1: item 4 keeps 0, item 5 takes 1
+    assert new.tolist() == [[0, 0], [0, 1], [0, 2], [0, 3], [1, 0], [1, 1]] and moved.tolist() == [1, 2, 5]
+    assert len({tuple(c) for c in new.tolist()}) == len(new)
+
+
+@pytest.mark.parametrize("quantizer", ["rqvae", "rqkmeans"])
+def test_collision_free_sids_have_exactly_L_codes(tmp_path, quantizer):
+    """--collisions reassign: unique SIDs of exactly L codes, only last-level codes changed (and only for
+    items that collided), centroids = member means of the new codes; rqkmeans level-0 centroids = its
+    k-means centers."""
+    out = make_synthetic_out(str(tmp_path / "o"), num_items=40)
+    for f in ("sids.npy", "centroids.pt"):
+        os.remove(os.path.join(out, f))
+    small = ["--codebook-size", "8", "--levels", "3", "--kmeans-iters", "30", "--device", "cpu"]
+    run("02_rqvae.py", "--out-dir", out, "--quantizer", quantizer, "--collisions", "suffix", *small,
+        *([] if quantizer == "rqkmeans" else TINY[4:]))
+    suffix = np.load(os.path.join(out, "sids.npy"))
+    r = run("02_rqvae.py", "--out-dir", out, "--quantizer", quantizer, "--collisions", "reassign", *small,
+            *([] if quantizer == "rqkmeans" else TINY[4:]))
+    sids, emb = np.load(os.path.join(out, "sids.npy")), np.load(os.path.join(out, "item_emb.npy"))
+    summary = json.loads(open(os.path.join(out, "02_rqvae.json")).read())
+    assert sids.shape == (40, 3) and len({tuple(s) for s in sids.tolist()}) == 40
+    assert np.array_equal(sids[:, :2], suffix[:, :2])                              # same quantizer, same codes
+    changed = np.flatnonzero(sids[:, 2] != suffix[:, 2])                           # one item per collision moves
+    assert summary["moved_items"] == len(changed) == int((suffix[:, 3] > 0).sum()) > 0
+    assert "re-assigned" in r.stdout and summary["quantizer"] == quantizer
+    cen = torch.load(os.path.join(out, "centroids.pt"), weights_only=True)
+    assert cen["codebook_sizes"] == [8, 8, 8] and len(cen["centroids"]) == 3
+    for l in range(3):
+        for k in np.unique(sids[:, l]):
+            np.testing.assert_allclose(cen["centroids"][l][k].numpy(), emb[sids[:, l] == k].mean(0), atol=1e-5)
+    if quantizer == "rqkmeans":
+        books = torch.load(os.path.join(out, "rqvae.pt"), weights_only=True)["codebooks"]
+        np.testing.assert_allclose(cen["centroids"][0].numpy(), books[0].numpy(), atol=1e-5)
+    # more items under one prefix than last-level codes: one line, previous outputs intact
+    err = assert_one_line_error(run("02_rqvae.py", "--out-dir", out, "--quantizer", quantizer, "--collisions",
+                                    "reassign", *small[:1], "2", "--levels", "2", *small[4:], *([] if quantizer == "rqkmeans"
+                                                                             else TINY[4:]), check=False))
+    assert "--collisions suffix" in err and np.array_equal(np.load(os.path.join(out, "sids.npy")), sids)
+
+
 # --- runs --------------------------------------------------------------------------------------------
 def test_same_seed_same_sids(tmp_path):
     outs = []
