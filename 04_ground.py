@@ -6,7 +6,8 @@ with next-token NLL on paired linguistic supervision built from the item texts:
 
     text -> SID:  "<item text> is item" -> <a_12><b_3><c_40><d_0>
     SID -> text:  "Item <a_12><b_3><c_40><d_0> is" -> " <item text></s>"
-    loss = - sum_{t in target} log p(y_t | y_<t)          (prompt positions masked with -100)
+    loss = - mean_{t in target} log p(y_t | y_<t)         (prompt positions masked with -100; --loss-average
+                                                           directions: the mean of each direction, averaged)
     g_W  <- g_W * m[:, None],  m_v = 1 iff token v is new  (binary row mask; weight decay 0 on the rows)
 
 With AdamW, weight_decay = 0 and exactly-zero gradients, the moments of a masked row stay 0 and its update
@@ -70,6 +71,10 @@ class Args:
     """peak learning rate of the new rows (AdamW; rows tolerate far more than full fine-tuning)"""
     warmup: Annotated[int, ">= 0"] = 10
     """linear warmup steps, then cosine decay to 0"""
+    loss_average: Literal["tokens", "directions"] = "tokens"
+    """tokens (one mean over every target token of the batch: the ~18-token text side of SID->text outweighs
+    the 4 SID tokens of text->SID) | directions (mean NLL of each direction, then their average: both tasks
+    weigh the same whatever their lengths)"""
     grad_clip: float = 1.0
     """clip the gradient norm of the trained rows (0 = off)"""
     holdout_frac: float = 0.1
@@ -98,6 +103,17 @@ def target_logits(model, x, attn, labels):
     y = labels[:, 1:]                                           # next-token targets            (B, T-1)
     sel = y != -100                                             # target positions              (B, T-1)
     return model.get_output_embeddings()(h[:, :-1][sel]).float(), y[sel], sel   # (M, V), (M,), (B, T-1)
+
+
+def grounding_loss(logits, y, is_t2s, average: str):
+    """NLL over the target tokens. "tokens": one mean over all M of them. "directions": the mean over the
+    text->SID tokens and the mean over the SID->text tokens, averaged (a direction absent from the batch
+    drops out), so 4 SID tokens weigh as much as an 18-token title."""
+    nll = F.cross_entropy(logits, y, reduction="none")                    # (M,)
+    if average == "tokens":
+        return nll.mean()
+    parts = [nll[m].mean() for m in (is_t2s, ~is_t2s) if m.any()]
+    return sum(parts) / len(parts)
 
 
 def mask_row_grads(weight: torch.nn.Parameter, new_ids: torch.Tensor):
@@ -262,14 +278,14 @@ def main():
         x, attn, labels, kind = (t.to(device) for t in collate_right(batch, pad_id))
         with ctx:
             logits, y, sel = target_logits(model, x, attn, labels)
-        loss = F.cross_entropy(logits, y)                       # NLL over target tokens only
+        is_t2s = kind[:, None].expand_as(sel)[sel]              # which target positions are SID tokens (M,)
+        loss = grounding_loss(logits, y, is_t2s, args.loss_average)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(trained, args.grad_clip)
         opt.step()
         sched.step()
-        is_t2s = kind[:, None].expand_as(sel)[sel]              # which target positions are SID tokens (M,)
         run_loss += loss.item()
         run_hit += float((logits.argmax(-1) == y)[is_t2s].sum())
         run_n += float(is_t2s.sum())

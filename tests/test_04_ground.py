@@ -85,11 +85,27 @@ def test_only_new_rows_move_and_folder_reloads(synthetic_out, tiny_model, tiny_u
     assert len(rep["before"]["held_out"]["acc"]) == len(rep["after"]["held_out"]["acc"]) == v["num_levels"]
 
 
+def test_loss_average_tokens_or_directions():
+    """tokens: one mean over all target tokens; directions: the text->SID mean and the SID->text mean,
+    averaged (by hand on 2 SID tokens with high NLL and 6 text tokens with low NLL)."""
+    g = load_script("04_ground.py")
+    nll = torch.tensor([1.0, 3.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5])
+    logits = torch.stack([torch.tensor([v, 0.0]) for v in nll])       # two classes, target 1: NLL grows with v
+    y = torch.ones(8, dtype=torch.long)
+    per = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+    is_t2s = torch.tensor([True, True] + [False] * 6)
+    assert g.grounding_loss(logits, y, is_t2s, "tokens").item() == pytest.approx(per.mean().item())
+    want = 0.5 * (per[:2].mean() + per[2:].mean())
+    assert g.grounding_loss(logits, y, is_t2s, "directions").item() == pytest.approx(want.item())
+    assert g.grounding_loss(logits[2:], y[2:], is_t2s[2:], "directions").item() == pytest.approx(per[2:].mean().item())
+    assert want > per.mean()                                         # the short SID side now weighs more
+
+
 def test_grounding_loss_falls(synthetic_out, tiny_model):
     run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "random")
     src = os.path.join(synthetic_out, "models", "random")
     run("04_ground.py", "--out-dir", synthetic_out, "--model", src, "--steps", 30, "--batch-size", 16,
-        "--lr", 1e-2, "--log-every", 5, "--max-eval", 8, "--holdout-frac", 0.0)
+        "--lr", 1e-2, "--log-every", 5, "--max-eval", 8, "--holdout-frac", 0.0, "--loss-average", "directions")
     curve = json.load(open(os.path.join(src + "+gti", "04_ground.json")))["loss_curve"]
     assert curve[-1]["loss"] < curve[0]["loss"] - 0.3, curve
     assert curve[-1]["t2s_acc"] > curve[0]["t2s_acc"], curve
