@@ -14,6 +14,7 @@ Each (scale) gets a work folder runs/grounding/<scale>/ holding links to 01/02's
 Writes results/<dataset>_grounding.md and .json.
 
 CPU:  python scripts/grounding_study.py                       (2 scales x 3 lr x 2 averages, 120 steps each)
+      python scripts/grounding_study.py --averages directions  (then --lrs 1e-2 --averages tokens: reports all)
 """
 import argparse
 import json
@@ -64,7 +65,8 @@ def main():
                 if not os.path.exists(os.path.join(work, "models", name, "04_ground.json")):
                     sh("04_ground.py", "--out-dir", work, "--model", base, "--save", os.path.join(work, "models", name),
                        "--steps", a.steps, "--lr", lr, "--loss-average", avg)
-                names.append(name)
+        names += sorted(n for n in os.listdir(os.path.join(work, "models"))           # every grounded folder so far
+                        if n.startswith("centroid+gti_lr") and os.path.exists(os.path.join(work, "models", n, "04_ground.json")))
         sh("07_diagnose.py", "--out-dir", work, "--models", ",".join(names))
         diag = json.load(open(os.path.join(work, "diagnostics.json")))["models"]
         for name in names:
