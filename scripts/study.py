@@ -68,7 +68,7 @@ SECONDS = {"01": 8, "02": 20, "03": 10, "04": 111, "05": 220 * 2.06 + 6 * 20, "0
 METRICS = [("recall@5", "R@5"), ("recall@10", "R@10"), ("recall@20", "R@20"), ("ndcg@10", "N@10")]
 COLD = "recall@10"                                  # the cold-target metric
 GEOMETRY = [("effective_rank", "erank"), ("mean_cos", "mean cos"), ("rsa_centroids", "RSA cent"),
-            ("rsa_codebook", "RSA book"), ("pop_spearman_abs", "pop |rho|"), ("pop_probe_r2", "pop R2")]
+            ("rsa_codebook", "RSA book"), ("pop_spearman_abs", "pop abs(rho)"), ("pop_probe_r2", "pop R2")]
 Step = namedtuple("Step", "name script args done")  # done: the file that exists once the step has finished
 
 
@@ -204,6 +204,7 @@ def execute(a, steps, logs):
             print(f"  {dt:6.1f}s  {line}")
             total += dt
             tj = os.path.join(logs, "timings.json")                    # seconds per step, kept across resumes
+            os.makedirs(logs, exist_ok=True)
             times = json.load(open(tj)) if os.path.exists(tj) else {}
             with open(tj, "w") as f:
                 json.dump({**times, s.name: round(dt, 1)}, f, indent=1)
@@ -386,6 +387,11 @@ def convergence(res, a_, b_):
     return thr, steps, [steps[b_][s] - steps[a_][s] for s in both]      # > 0: a_ needs fewer steps
 
 
+def boot(x, y):
+    """06's paired bootstrap of x - y over users; [None] * 3 when there are no users (e.g. no cold target)."""
+    return ev.paired_bootstrap(x, y) if len(x) else [None, None, None]
+
+
 def fmt_iv(d, f="{:+.4f}"):
     return "-" if d[0] is None else f.format(d[0]) + ("" if d[1] is None else f" [{f.format(d[1])}, {f.format(d[2])}]")
 
@@ -409,8 +415,8 @@ def claims(res, pu, cmd):
         if not (pu.get(a_) and pu.get(b_)):
             return rows.append((name, paper, "not run", "inconclusive", run_cmd(a_, b_)))
         part = "cold" if cold else "all"
-        d = ev.paired_bootstrap(pu[a_][part][metric], pu[b_][part][metric])
-        base = float(pu[b_][part][metric].mean())
+        d = boot(pu[a_][part][metric], pu[b_][part][metric])
+        base = float(pu[b_][part][metric].mean()) if d[0] is not None else 0.0
         rel = f" ({100 * d[0] / base:+.1f}%)" if base > 0 else ""
         rows.append((name, paper, f"{fmt_iv(d)}{rel}; {pu[a_]['seeds']} vs {pu[b_]['seeds']} seeds, "
                                   f"{len(pu[a_][part][metric])} users", verdict(d[1], d[2]), run_cmd(a_, b_)))
@@ -453,7 +459,7 @@ def claims(res, pu, cmd):
                  f"95% t interval over {len(d)} seed pairs", verdict(iv[1], iv[2]), run_cmd("centroid", "random")))
     geometric("random init drifts to a popularity axis (Thm 3.1)", "qualitative (rows organize by popularity)",
               ("random", "centroid"), lambda: sub(g("random", "sft", "pop_spearman_abs"), g("random", "init", "pop_spearman_abs")),
-              0.2, lambda: f"pop |rho| of PC1, random: init {f2(g('random', 'init', 'pop_spearman_abs'))} -> SFT "
+              0.2, lambda: f"popularity abs(Spearman) of PC1, random: init {f2(g('random', 'init', 'pop_spearman_abs'))} -> SFT "
                            f"{f2(g('random', 'sft', 'pop_spearman_abs'))} (probe R2 {f2(g('random', 'sft', 'pop_probe_r2'))}); "
                            f"centroid after SFT {f2(g('centroid', 'sft', 'pop_spearman_abs'))}; effect = SFT - init")
     paired("shuffled centroids < centroid: Recall@5", "lower (ablation; no number given)", "centroid", "shuffled", "recall@5")
@@ -511,15 +517,15 @@ def report(a, res, targets, popularity, cmd, figs=()):
     md += ["", "## Paired differences (a - b; seeds pooled per user; 95% bootstrap over users)", "",
            "| a | b | seeds a/b | " + " | ".join(n for _, n in METRICS) + " | cold R@10 |", "|---" * (len(METRICS) + 4) + "|"]
     for x, y in pairs(variants):
-        cells = [fmt_iv(ev.paired_bootstrap(pu[x]["all"][k], pu[y]["all"][k])) for k, _ in METRICS]
-        cells.append(fmt_iv(ev.paired_bootstrap(pu[x]["cold"][COLD], pu[y]["cold"][COLD])))
+        cells = [fmt_iv(boot(pu[x]["all"][k], pu[y]["all"][k])) for k, _ in METRICS]
+        cells.append(fmt_iv(boot(pu[x]["cold"][COLD], pu[y]["cold"][COLD])))
         md.append(f"| {x} | {y} | {pu[x]['seeds']}/{pu[y]['seeds']} | " + " | ".join(cells) + " |")
     ex = {v: per_user(res[v], targets, cold, "exact_topk") for v in variants}
     ex = {v: p for v, p in ex.items() if p}
     if ex:                                                             # --exact: does the search change a comparison?
         md += ["", "## Beam vs exact top-20 (seed 0): the same differences, exact search", "",
                "| a | b | " + " | ".join(n for _, n in METRICS) + " |", "|---" * (len(METRICS) + 2) + "|"]
-        md += [f"| {x} | {y} | " + " | ".join(fmt_iv(ev.paired_bootstrap(ex[x]["all"][k], ex[y]["all"][k]))
+        md += [f"| {x} | {y} | " + " | ".join(fmt_iv(boot(ex[x]["all"][k], ex[y]["all"][k]))
                                               for k, _ in METRICS) + " |" for x, y in pairs(list(ex))]
     # --- geometry
     md += ["", "## Geometry of the SID rows (07, all levels; mean +- std over seeds)", "",
@@ -602,6 +608,7 @@ def main(argv=None):
     res = collect(a, list(VARIANTS))
     if not any(res.values()):
         die(f"no finished run under {os.path.join(a.work_dir, a.dataset)}; run a piece first")
+    os.makedirs(a.results_dir, exist_ok=True)
     figs = seed0_figures(a, [v for v in VARIANTS if res[v]])
     report(a, res, data["test"].numpy(), data["popularity"].numpy(), cmd, figs)
 
