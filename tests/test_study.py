@@ -181,6 +181,7 @@ def fake_step(calls, kill):
             torch.save({"test": torch.arange(U), "popularity": torch.arange(U) % 50},
                        os.path.join(val("--out-dir"), "dataset.pt"))
         elif script == "02_rqvae.py":
+            np.save(os.path.join(val("--out-dir"), "sids.npy"), np.zeros((U, 3), np.int64))
             json.dump({}, open(os.path.join(val("--out-dir"), "02_rqvae.json"), "w"))
         elif script == "03_expand_vocab.py":
             model_folder(os.path.join(val("--out-dir"), "models", val("--init")))
@@ -211,15 +212,18 @@ def test_killed_piece_resumes(tmp_path, monkeypatch):
     backbone.mkdir()
     (backbone / "config.json").write_text("{}")
     monkeypatch.setattr(study, "BACKBONE", str(backbone))
-    argv = ["--variants", "random,mean+gti", "--seeds", "0", "--work-dir", str(tmp_path / "w"),
+    argv = ["--variants", "random,mean+gti,rqk-random", "--seeds", "0", "--work-dir", str(tmp_path / "w"),
             "--out-root", str(tmp_path / "o"), "--results-dir", str(tmp_path / "r")]
     calls = []
     monkeypatch.setattr(study, "run_script", fake_step(calls, kill="mean+gti"))
     with pytest.raises(SystemExit, match="killed"):                   # killed inside mean+gti's 05
         study.main(argv)
-    assert [c[0] for c in calls] == ["01_embed_items.py", "02_rqvae.py"] + \
+    assert [c[0] for c in calls] == ["01_embed_items.py", "02_rqvae.py", "02_rqvae.py"] + \
         ["03_expand_vocab.py", "07_diagnose.py", "05_sft.py", "07_diagnose.py", "06_eval.py"] + \
         ["03_expand_vocab.py", "07_diagnose.py", "04_ground.py", "07_diagnose.py", "05_sft.py"]
+    assert calls[2][1][2:6] == ["--quantizer", "rqkmeans", "--collisions", "reassign"]  # the tokenizer axis:
+    tok = study.tokenizer_dir(study.parse_args(argv), "rqkmeans")                 # 01's files linked in
+    assert os.path.islink(os.path.join(tok, "dataset.pt")) and calls[2][1][1] == tok
     run0 = study.run_dir(study.parse_args(argv), "random", 0)
     assert os.path.exists(os.path.join(run0, "finished.json"))
     assert not any(f.endswith(".safetensors") for _, _, fs in os.walk(os.path.join(run0, "models")) for f in fs)
@@ -231,6 +235,10 @@ def test_killed_piece_resumes(tmp_path, monkeypatch):
     steps = [c[0] for c in calls if "--names" not in c[1] or "," not in c[1][c[1].index("--names") + 1]]
     assert steps[:3] == ["05_sft.py", "07_diagnose.py", "06_eval.py"]  # only what mean+gti had left
     assert "--resume" in calls[0][1]
+    assert [c[0] for c in calls[3:8]] == ["03_expand_vocab.py", "07_diagnose.py", "05_sft.py", "07_diagnose.py",
+                                          "06_eval.py"]                             # then rqk-random, in full
+    sids = os.path.join(study.run_dir(study.parse_args(argv), "rqk-random", 0), "sids.npy")
+    assert os.path.realpath(sids) == os.path.realpath(os.path.join(tok, "sids.npy"))   # its tokenizer's SIDs
     assert os.path.exists(os.path.join(tmp_path / "r", "ml-100k.md"))
 
     calls.clear()
