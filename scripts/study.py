@@ -406,70 +406,71 @@ def pairs(variants):
     return [p for p in dict.fromkeys(out) if p[0] in variants and p[1] in variants]
 
 
-def claims(res, pu, cmd):
-    """Every claim of METHODS.md: (claim, paper's number, ours, verdict, command)."""
-    rows = []
-    run_cmd = lambda *vs: f"`{cmd} --variants {','.join(vs)}`"
+# The papers' claims (METHODS.md), in its order. paired: a - b over users (metric; "cold:" = cold targets only);
+# steps: SFT steps to the same validation loss, b - a per seed; geometry: a 07 number after SFT (or at init),
+# effect = a - b, or 1 - a / b for "ratio", judged by a plain threshold.
+CLAIMS = [  # claim, paper's number, kind, a, b, what
+    ("GTI: mean init collapses the SID rows, low-rank after SFT", "qualitative (SVD spectrum, cosine)",
+     "geometry", "mean", "mean+gti", ("effective_rank", "sft", "sft", "ratio", 0.5)),
+    ("GTI vs mean: Recall@20", "+26.02% (Vibrent)", "paired", "mean+gti", "mean", "recall@20"),
+    ("GTI vs mean: NDCG@10", "+8.0% (Vibrent .0188 -> .0203)", "paired", "mean+gti", "mean", "ndcg@10"),
+    ("LC-Rec aux tasks vs mean: Recall@10", "+11.7% (Vibrent .0342 -> .0382); industrial +6.38%",
+     "paired", "mean+aux", "mean", "recall@10"),
+    ("GTI vs LC-Rec aux tasks: Recall@10", "+9.2% (Vibrent .0382 -> .0417); industrial +21.63% vs +6.38%",
+     "paired", "mean+gti", "mean+aux", "recall@10"),
+    ("GTI keeps the codebook geometry after SFT (RSA, block structure)", "qualitative (RSA, cosine blocks)",
+     "geometry", "mean+gti", "mean", ("rsa_codebook", "sft", "sft", "difference", 0.1)),
+    ("centroid vs random: Recall@5", "+6.5% on average (up to +16%)", "paired", "centroid", "random", "recall@5"),
+    ("centroid vs random: Recall@5, RQ-KMeans SIDs (the paper's tokenizer)", "+6.5% on average (up to +16%)",
+     "paired", "rqk-centroid", "rqk-random", "recall@5"),
+    (f"centroid vs random: cold targets (seen <= {COLD_MAX} times), Recall@10", "+37% on average (up to +60%)",
+     "paired", "centroid", "random", "cold:" + COLD),
+    ("centroid vs random: SFT steps to the same validation loss", "27% fewer on average (up to 40%)",
+     "steps", "centroid", "random", None),
+    ("random init drifts to a popularity axis (Thm 3.1)", "qualitative (rows organize by popularity)",
+     "geometry", "random", "random", ("pop_spearman_abs", "sft", "init", "difference", 0.2)),
+    ("shuffled centroids < centroid: Recall@5", "lower (ablation; no number given)",
+     "paired", "centroid", "shuffled", "recall@5"),
+    ("shuffled centroids < centroid: Recall@5, RQ-KMeans SIDs", "lower (ablation; no number given)",
+     "paired", "rqk-centroid", "rqk-shuffled", "recall@5"),
+    ("centroid init keeps item semantics after SFT (purity)", "qualitative (CPT does not recover them)",
+     "geometry", "centroid", "random", ("purity", "sft", "sft", "difference", 0.05)),
+]
 
-    def paired(name, paper, a_, b_, metric, cold=False):
+
+def claim_row(res, pu, kind, a_, b_, what):
+    """(ours, verdict) of one claim."""
+    if kind == "paired":
+        part, metric = what.split(":") if ":" in what else ("all", what)
         if not (pu.get(a_) and pu.get(b_)):
-            return rows.append((name, paper, "not run", "inconclusive", run_cmd(a_, b_)))
-        part = "cold" if cold else "all"
+            return "not run", "inconclusive"
         d = boot(pu[a_][part][metric], pu[b_][part][metric])
         base = float(pu[b_][part][metric].mean()) if d[0] is not None else 0.0
         rel = f" ({100 * d[0] / base:+.1f}%)" if base > 0 else ""
-        rows.append((name, paper, f"{fmt_iv(d)}{rel}; {pu[a_]['seeds']} vs {pu[b_]['seeds']} seeds, "
-                                  f"{len(pu[a_][part][metric])} users", verdict(d[1], d[2]), run_cmd(a_, b_)))
+        return (f"{fmt_iv(d)}{rel}; {pu[a_]['seeds']} vs {pu[b_]['seeds']} seeds, {len(pu[a_][part][metric])} users",
+                verdict(d[1], d[2]))
+    if kind == "steps":
+        thr, steps, d = convergence(res, a_, b_)
+        iv = t_interval(d)
+        if iv[0] is None:
+            return "not run", "inconclusive"
+        mb = np.mean([x for x in steps[b_].values() if x is not None])
+        return (f"{fmt_iv(iv, '{:+.1f}')} steps fewer ({100 * iv[0] / mb:+.1f}% of {b_}'s {mb:.0f}) to val loss "
+                f"{thr:.3f} (the worse mean best of the two), linear between validations every {EVAL_EVERY} steps; "
+                f"95% t interval over {len(d)} seed pairs", verdict(iv[1], iv[2]))
+    key, st_a, st_b, form, t = what
+    va, vb = geo(res, a_, st_a, key), geo(res, b_, st_b, key)
+    if va is None or vb is None or (form == "ratio" and not vb):
+        return "not run", "inconclusive"
+    e = 1 - va / vb if form == "ratio" else va - vb
+    return (f"{key}: {a_} ({st_a}) {va:.3f}, {b_} ({st_b}) {vb:.3f}; effect "
+            f"{'1 - a / b' if form == 'ratio' else 'a - b'} = {e:+.3f} (threshold {t})", threshold_verdict(e, t))
 
-    def geometric(name, paper, vs, effect, t, text):
-        e = effect()
-        ours = "not run" if e is None else f"{text()}; effect {e:+.3f} (threshold {t})"
-        rows.append((name, paper, ours, threshold_verdict(e, t), run_cmd(*vs)))
 
-    g = lambda v, st, k: geo(res, v, st, k)
-    f2 = lambda x: "-" if x is None else f"{x:.2f}"
-    sub = lambda x, y: None if x is None or y is None else x - y
-    er = lambda v, st="sft": g(v, st, "effective_rank")
-    geometric("GTI: mean init collapses the SID rows, low-rank after SFT", "qualitative (SVD spectrum, cosine)",
-              ("mean", "mean+gti"), lambda: None if not er("mean+gti") or er("mean") is None else 1 - er("mean") / er("mean+gti"),
-              0.5, lambda: f"effective rank after SFT: mean {f2(er('mean'))}, mean+gti {f2(er('mean+gti'))} (mean at init "
-                           f"{f2(er('mean', 'init'))}); effect = 1 - mean / mean+gti")
-    paired("GTI vs mean: Recall@20", "+26.02% (Vibrent)", "mean+gti", "mean", "recall@20")
-    paired("GTI vs mean: NDCG@10", "+8.0% (Vibrent .0188 -> .0203)", "mean+gti", "mean", "ndcg@10")
-    paired("LC-Rec aux tasks vs mean: Recall@10", "+11.7% (Vibrent .0342 -> .0382); industrial +6.38%",
-           "mean+aux", "mean", "recall@10")
-    paired("GTI vs LC-Rec aux tasks: Recall@10", "+9.2% (Vibrent .0382 -> .0417); industrial +21.63% vs +6.38%",
-           "mean+gti", "mean+aux", "recall@10")
-    geometric("GTI keeps the codebook geometry after SFT (RSA, block structure)", "qualitative (RSA, cosine blocks)",
-              ("mean", "mean+gti"), lambda: sub(g("mean+gti", "sft", "rsa_codebook"), g("mean", "sft", "rsa_codebook")),
-              0.1, lambda: f"RSA with the RQ-VAE codebook after SFT: mean+gti {f2(g('mean+gti', 'sft', 'rsa_codebook'))}, "
-                           f"mean {f2(g('mean', 'sft', 'rsa_codebook'))}; effect = difference")
-    paired("centroid vs random: Recall@5", "+6.5% on average (up to +16%)", "centroid", "random", "recall@5")
-    paired("centroid vs random: Recall@5, RQ-KMeans SIDs (the paper's tokenizer)", "+6.5% on average (up to +16%)",
-           "rqk-centroid", "rqk-random", "recall@5")
-    paired(f"centroid vs random: cold targets (seen <= {COLD_MAX} times), Recall@10", "+37% on average (up to +60%)",
-           "centroid", "random", COLD, cold=True)
-    thr, steps, d = convergence(res, "centroid", "random")
-    iv = t_interval(d)
-    mr = np.mean([x for x in steps["random"].values() if x is not None] or [np.nan])
-    rows.append(("centroid vs random: SFT steps to the same validation loss", "27% fewer on average (up to 40%)",
-                 "not run" if iv[0] is None else
-                 f"{fmt_iv(iv, '{:+.1f}')} steps fewer ({100 * iv[0] / mr:+.1f}% of random's {mr:.0f}); val loss "
-                 f"{thr:.3f} (the worse mean best of the two), linear between validations every {EVAL_EVERY} steps; "
-                 f"95% t interval over {len(d)} seed pairs", verdict(iv[1], iv[2]), run_cmd("centroid", "random")))
-    geometric("random init drifts to a popularity axis (Thm 3.1)", "qualitative (rows organize by popularity)",
-              ("random", "centroid"), lambda: sub(g("random", "sft", "pop_spearman_abs"), g("random", "init", "pop_spearman_abs")),
-              0.2, lambda: f"popularity abs(Spearman) of PC1, random: init {f2(g('random', 'init', 'pop_spearman_abs'))} -> SFT "
-                           f"{f2(g('random', 'sft', 'pop_spearman_abs'))} (probe R2 {f2(g('random', 'sft', 'pop_probe_r2'))}); "
-                           f"centroid after SFT {f2(g('centroid', 'sft', 'pop_spearman_abs'))}; effect = SFT - init")
-    paired("shuffled centroids < centroid: Recall@5", "lower (ablation; no number given)", "centroid", "shuffled", "recall@5")
-    paired("shuffled centroids < centroid: Recall@5, RQ-KMeans SIDs", "lower (ablation; no number given)",
-           "rqk-centroid", "rqk-shuffled", "recall@5")
-    geometric("centroid init keeps item semantics after SFT (purity)", "qualitative (CPT does not recover them)",
-              ("centroid", "random"), lambda: sub(g("centroid", "sft", "purity"), g("random", "sft", "purity")), 0.05,
-              lambda: f"purity@10 after SFT: centroid {f2(g('centroid', 'sft', 'purity'))} (init "
-                      f"{f2(g('centroid', 'init', 'purity'))}), random {f2(g('random', 'sft', 'purity'))}; effect = difference")
-    return rows
+def claims(res, pu, cmd):
+    """The claims table: (claim, paper's number, ours, verdict, the command that reruns that row)."""
+    return [(name, paper, *claim_row(res, pu, kind, a_, b_, what), f"`{cmd} --variants {a_},{b_}`"
+             if a_ != b_ else f"`{cmd} --variants {a_}`") for name, paper, kind, a_, b_, what in CLAIMS]
 
 
 def report(a, res, targets, popularity, cmd, figs=()):

@@ -131,6 +131,7 @@ def test_report_on_constructed_runs(constructed):
     assert verdict["centroid init keeps item semantics after SFT (purity)"] == "not reproduced"  # -.1
     assert claims["GTI vs LC-Rec aux tasks: Recall@10"][2:4] == ["not run", "inconclusive"]
     assert "--variants centroid,random" in claims["centroid vs random: Recall@5"][4]
+    assert "--variants random`" in claims["random init drifts to a popularity axis (Thm 3.1)"][4]
     assert os.path.exists(os.path.join(a.results_dir, "toy_val_loss.png"))
 
 
