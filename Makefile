@@ -7,7 +7,7 @@ BACKBONE = models/SmolLM2-135M-Instruct
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup run run-beauty test study study-gpu study-why bench bench-sft clean
+.PHONY: setup run run-beauty test study study-plan study-report study-gpu bench bench-sft clean
 setup: .venv/.installed $(BACKBONE)/config.json data/ml-100k/ml-100k.inter
 
 .venv/.installed: requirements.txt
@@ -62,15 +62,22 @@ bench-sft: setup
 clean:
 	rm -rf out
 
-# The reproduction study (issue 5): 8 init variants x seeds through 03 -> (04) -> 05 -> 06, 07 at each stage.
+# The reproduction study (issue 12): 11 init variants (8 + the RQ-KMeans tokenizer axis) x seeds through
+# 03 -> (04) -> 05 -> 07 -> 06 at `make run`'s budget, then results/$(DATASET).md (claims table) + figures.
+# One seed is one piece of ~2.5 h on 2 CPU cores: `make study SEEDS=0`, then SEEDS=1, SEEDS=2. A killed piece
+# resumes when rerun (finished steps are skipped, 05 continues from its last validation). Every piece ends with
+# the report over all finished runs; `make study-report` redoes only the report; `make study-plan` prints the
+# plan and its estimated CPU time. EXACT=1 adds 06 --search exact for seed 0 (~9 min per variant).
+SEEDS ?= 0,1,2
+STUDY  = scripts/study.py --dataset $(DATASET) --seeds $(SEEDS) $(if $(EXACT),--exact,)
 study: setup
-	nice $(PY) scripts/study.py --datasets $(DATASET)
+	nice $(PY) $(STUDY)
+
+study-plan: setup
+	$(PY) $(STUDY) --dry-run
+
+study-report: setup
+	$(PY) $(STUDY) --report-only
 
 study-gpu: setup
-	$(PY) scripts/study.py --gpu
-
-# Why does centroid init lose to random on CPU? Map (pad/orthogonal), per-level scale, tied vs untied head
-# (2 x 2: input rows x head rows), one seed, 40 SFT steps, no eval (48 min of step time on 2 CPU cores).
-study-why: setup
-	nice $(PY) scripts/study.py --datasets $(DATASET) --variants why --seeds 1 --sft-steps 40 --until sft \
-		--work-dir runs/why --tag _why
+	$(PY) $(STUDY) --device cuda

@@ -1,27 +1,29 @@
-"""The reproduction study: every SID-token init variant through 03 -> (04) -> 05 -> 06, diagnosed by 07.
+"""The reproduction study (issue 12): every SID-token init variant through 03 -> [04] -> 05 -> 06 at `make run`'s
+budget, >= 3 seeds, and a claim-by-claim table against the two papers (docs: METHODS.md).
 
-Question (issue 5): do the papers' effects show up at this scale? Mean init collapses the new rows (GTI),
-random init organizes them by popularity (centroid paper, Thm 3.1), centroid init keeps the semantic
-geometry, grounding keeps block structure - and do these differences change convergence and Recall?
+One run = one variant x one seed, in runs/study/<dataset>/<variant>/seed<s>/ (01/02 artifacts linked in):
+    03_expand_vocab.py --init <init> [--centroid-scale <scale>] --seed s    -> 07 (geometry at init)
+    [04_ground.py --steps 120 --seed s                                       -> 07]   GTI variants
+    05_sft.py --eval-every 44 [--aux-tasks] --seed s     05's defaults: 220 steps x 8, lr 1e-3, level softmax
+    07 (geometry after SFT);  06_eval.py --protocol excluded --cold-max 25  (beam 20, all test users)
+    [06_eval.py --search exact ...]                      seed 0 only, with --exact
+then the weights are deleted (JSONs and topk .npy stay; seed 0 keeps a slim copy of its embedding matrix per
+stage for the side-by-side figures). The rqk-* variants (tokenizer axis) use a second artifacts folder,
+runs/study/<dataset>/_tok_rqkmeans: 01's files linked, 02 --quantizer rqkmeans --collisions reassign.
 
-Per dataset, per variant, per seed (runs/study/<dataset>/<variant>/seed<s>/, 01/02 artifacts linked in):
-    03_expand_vocab.py -> 07 (after init) -> [04_ground.py -> 07 (after grounding)] -> 05_sft.py (same budget
-    for every variant) -> 07 (after SFT) -> 06_eval.py
-then per stage one 07 run over all variants of seed 0 (side-by-side heatmaps, spectra, popularity), and
-aggregates (mean +- std over seeds) into results/<dataset>.md and results/<dataset>_*.png: Recall/NDCG with
-the most-popular baseline, validation-loss curves, steps to a validation-loss threshold, geometry metrics.
-Model weights are deleted once a run is diagnosed and evaluated (a slim copy of seed 0's embedding rows is
-kept for the figures); --keep-models keeps them. A finished step is skipped when rerun (resume after a kill).
+Report (results/<dataset>.md + figures) from whatever runs have finished, with the seed count of every row:
+test Recall/NDCG (history excluded) and cold targets (seen <= 25 times in training), validation curves and steps
+to a validation loss, geometry after SFT, paired differences over users (seeds pooled per user, 95% bootstrap),
+and the papers' claims, each with a verdict computed from its interval.
 
-CPU:  python scripts/study.py                       (ML-100K, 3 seeds, small budgets; see --help)
-GPU:  python scripts/study.py --gpu                 (ML-100K and Amazon Beauty, full budgets, bf16)
-Tiny: python scripts/study.py --seeds 1 --sft-steps 4 --ground-steps 4 --eval-users 16 --variants random,mean+gti
-Good run: one line per step with its time, then the tables; results/<dataset>.md starts with the command.
+Pieces (one seed of all 11 variants ~2.5 h on 2 CPU cores; a killed piece resumes where it stopped, rerun it):
+    python scripts/study.py --seeds 0        (then --seeds 1, --seeds 2; `make study SEEDS=0`)
+    python scripts/study.py --report-only    (tables + figures from the finished runs)
+    python scripts/study.py --seeds 0,1,2 --dry-run     (the plan and its estimated CPU time)
+Good run: one line per step with its time; results/<dataset>.md starts with the claims table.
 """
 import argparse
-import ast
-import dataclasses
-import inspect
+import importlib.util
 import json
 import os
 import platform
@@ -30,481 +32,586 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections import namedtuple
 
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKBONE = "models/SmolLM2-135M-Instruct"
+_spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
+ev = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ev)                      # 06's per_user_metrics and paired_bootstrap
 
-
-@dataclass
-class Args:
-    datasets: str = ""
-    """comma-separated datasets (default: ml-100k; --gpu: ml-100k,amazon-beauty)"""
-    data_dir: str = ""
-    """Amazon Beauty folder for 01 (default: 01's own, ../shared/data/amazon-beauty)"""
-    variants: str = "random,mean,mean+aux,centroid,centroid-matched,shuffled,mean+gti,centroid+gti"
-    """which variants to run (names in VARIANTS below; `why` = the centroid-vs-random investigation)"""
-    seeds: int = 3
-    """seeds per variant (0, 1, ...): 03's random rows / map / shuffle, 04's and 05's order"""
-    sft_steps: int = 0
-    """05 optimizer steps, the same for every variant (0: mode default, CPU 20; GPU uses --sft-epochs)"""
-    sft_epochs: float = 0.0
-    """05 epochs over all examples instead of steps (0: mode default, GPU 3)"""
-    sft_batch_size: int = 0
-    """05 examples per step (0: mode default, CPU 16, GPU 64)"""
-    sft_lr: float = 0.0
-    """05 peak learning rate (0: 05's default)"""
-    eval_every: int = 0
-    """05 validation interval in steps (0: mode default, CPU 10, GPU 200)"""
-    val_examples: int = 0
-    """05 validation examples (0: mode default, CPU 64, GPU all users)"""
-    ground_steps: int = 0
-    """04 optimizer steps for the +gti variants (0: mode default, CPU 60, GPU 2000)"""
-    ground_batch_size: int = 0
-    """04 examples per step (0: mode default, CPU 16, GPU 64)"""
-    eval_users: int = -1
-    """06 evaluates the first N users on test (-1: mode default, CPU 100, GPU all; 0: all)"""
-    beam: int = 20
-    """06 beam width (= list length; Recall@20 needs 20)"""
-    centroid_scale: str = "plain"
-    """--centroid-scale for the shuffled and centroid+gti variants (centroid / centroid-matched fix their own)"""
-    centroid_map: str = ""
-    """--centroid-map passed to 03 for centroid variants (default: 03's own)"""
-    loss_threshold: float = 0.0
-    """validation loss for 'steps to threshold' (0: auto = the worst variant's mean best validation loss)"""
-    device: str = ""
-    """device for 03-06 (default: cpu; --gpu: cuda)"""
-    gpu: bool = False
-    """GPU mode: both datasets, full budgets, bf16 (05/06 pick bf16 autocast on CUDA)"""
-    out_root: str = "out"
-    """01/02 artifacts live in <out-root>/<dataset> (made there when missing)"""
-    encoder: str = "minilm"
-    """01's --encoder when 01 has to run (lm: d = d_model centroids; use another --out-root and --tag)"""
-    tag: str = ""
-    """suffix of the result files: results/<dataset><tag>.md"""
-    work_dir: str = "runs/study"
-    """where the per-run folders go (git-ignored)"""
-    results_dir: str = "results"
-    """where the markdown tables and figures go"""
-    keep_models: bool = False
-    """keep every model folder's weights (fp32 SmolLM2 folders are ~0.5 GB each)"""
-    until: str = "eval"
-    """last stage of each run: init (03 + 07 only: geometry at init, seconds) | ground | sft | eval"""
-    dry_run: bool = False
-    """print the commands without running anything"""
-    report_only: bool = False
-    """run nothing; aggregate whatever runs exist under --work-dir into the tables and figures"""
-
-
-# CPU budget. Measured here (2 shared cores, load ~4 from other jobs, 00:35 UTC): one `random` run at 30 SFT
-# steps took 517 s = 03 22 s + 07 18 s + 05 443 s (6.1 s/step training, the rest 4 validations of 64
-# examples with a best-model save and a resume checkpoint each) + 06 32 s (100 users). Hence 20 steps with
-# validation at 0/10/20: ~3-4 min per run on an idle machine, ~6 min under that load; 24 runs (+ 2 x 3
-# groundings of 60 steps, ~3 min each) land at ~90 min idle, longer when the cores are shared. Geometry needs
-# far less (--until init).
-CPU = {"datasets": "ml-100k", "sft_steps": 20, "sft_epochs": 0.0, "sft_batch_size": 16, "eval_every": 10,
-       "val_examples": 64, "ground_steps": 60, "ground_batch_size": 16, "eval_users": 100, "device": "cpu"}
-GPU = {"datasets": "ml-100k,amazon-beauty", "sft_steps": 0, "sft_epochs": 3.0, "sft_batch_size": 64,
-       "eval_every": 200, "val_examples": 0, "ground_steps": 2000, "ground_batch_size": 64, "eval_users": 0,
-       "device": "cuda"}
-
-# The committed ML-100K study (results/) was measured with 05's former objective and settings, before the
-# every-position objective and CPU bf16 became the defaults; the study keeps them until it is rerun at the new
-# budget, so that `make study` reproduces the committed tables.
-FORMER_05 = ["--objective", "prompt", "--softmax", "full", "--lr", "2e-4", "--warmup", "10", "--dtype", "float32"]
-
-# variant -> how it is made: 03's init (+ flags), whether 04 grounds it, 05's extra flags
-VARIANTS = {
-    "random":           {"init": "random"},
-    "mean":             {"init": "mean"},
-    "mean+aux":         {"init": "mean", "sft": ["--aux-tasks"]},                      # GTI paper's LC-Rec
-    "centroid":         {"init": "centroid", "expand": ["--centroid-scale", "plain"]},  # Alg. 1 as published
-    "centroid-matched": {"init": "centroid", "expand": ["--centroid-scale", "matched"]},
-    "shuffled":         {"init": "shuffled", "expand": ["--centroid-scale", "{centroid_scale}"]},
-    "mean+gti":         {"init": "mean", "ground": True},
-    "centroid+gti":     {"init": "centroid", "expand": ["--centroid-scale", "{centroid_scale}"], "ground": True},
-    # why does centroid init lose to random here? (`make study-why`): the map, per-level scale, the tied head
-    "centroid-pad":     {"init": "centroid", "expand": ["--centroid-scale", "matched", "--centroid-map", "pad"]},
-    "centroid-level":   {"init": "centroid", "expand": ["--centroid-scale", "level"]},
-    "untied-random":    {"init": "random", "expand": ["--head-init", "random"]},       # untying alone
-    "untied-centroid":  {"init": "centroid", "expand": ["--centroid-scale", "matched", "--head-init", "centroid"]},
-    "centroid-in+random-head": {"init": "centroid", "expand": ["--centroid-scale", "matched", "--head-init", "random"]},
-    "random-in+centroid-head": {"init": "random", "expand": ["--centroid-scale", "matched", "--head-init", "centroid"]},
+# ---------------------------------------------------------------------------------------------------
+# The variants. tokenizer: rqvae = 02's default (RQ-VAE + TIGER's collision suffix), rqkmeans = the centroid
+# paper's residual k-means with exactly L codes (collision-free). scale: 03's --centroid-scale; every centroid
+# variant has a shuffled twin at the same scale (03 permutes its rows within each level).
+# ---------------------------------------------------------------------------------------------------
+Variant = namedtuple("Variant", "tokenizer init scale gti aux")
+VARIANTS = {  #                tokenizer   init        scale      gti    aux (LC-Rec tasks in 05)
+    "random":       Variant("rqvae",    "random",   "",        False, False),
+    "mean":         Variant("rqvae",    "mean",     "",        False, False),
+    "centroid":     Variant("rqvae",    "centroid", "matched", False, False),
+    "shuffled":     Variant("rqvae",    "shuffled", "matched", False, False),
+    "mean+gti":     Variant("rqvae",    "mean",     "",        True,  False),
+    "centroid+gti": Variant("rqvae",    "centroid", "matched", True,  False),
+    "random+gti":   Variant("rqvae",    "random",   "",        True,  False),
+    "mean+aux":     Variant("rqvae",    "mean",     "",        False, True),
+    "rqk-random":   Variant("rqkmeans", "random",   "",        False, False),
+    "rqk-centroid": Variant("rqkmeans", "centroid", "matched", False, False),
+    "rqk-shuffled": Variant("rqkmeans", "shuffled", "matched", False, False),
 }
-WHY = "random,centroid-matched,centroid-pad,centroid-level,untied-random,untied-centroid,centroid-in+random-head," \
-      "random-in+centroid-head"
-STAGES = ("init", "ground", "sft")
-GEOMETRY = [("effective_rank", "erank"), ("top1_var_share", "top1"), ("mean_cos", "mean cos"),
-            ("rsa_centroids", "RSA cent"), ("rsa_codebook", "RSA book"), ("pop_spearman_abs", "pop rho (abs)"),
-            ("pop_probe_r2", "pop R2")]
+TOKENIZER_02 = {"rqvae": [], "rqkmeans": ["--quantizer", "rqkmeans", "--collisions", "reassign"]}
+GROUND_STEPS, EVAL_EVERY, COLD_MAX = 120, 44, 25   # 04 as `make run`; 05 validates 6 times; 109 cold ML-100K users
+# CPU seconds per step on 2 idle cores (README's pipeline table; 05 = 220 x 2.06 s + 6 validations x 20 s)
+SECONDS = {"01": 8, "02": 20, "03": 10, "04": 111, "05": 220 * 2.06 + 6 * 20, "06": 180, "06x": 3.1 * 180, "07": 10}
 METRICS = [("recall@5", "R@5"), ("recall@10", "R@10"), ("recall@20", "R@20"), ("ndcg@10", "N@10")]
-# TIGER (Rajput et al., NeurIPS 2023), Table 2, Amazon Beauty, as published (different training budget/model)
-TIGER_BEAUTY = {"recall@5": 0.0454, "ndcg@5": 0.0321, "recall@10": 0.0648, "ndcg@10": 0.0384}
+COLD = "recall@10"                                  # the cold-target metric
+GEOMETRY = [("effective_rank", "erank"), ("mean_cos", "mean cos"), ("rsa_centroids", "RSA cent"),
+            ("rsa_codebook", "RSA book"), ("pop_spearman_abs", "pop abs(rho)"), ("pop_probe_r2", "pop R2")]
+Step = namedtuple("Step", "name script args done")  # done: the file that exists once the step has finished
 
 
 def die(msg: str):
     sys.exit(f"error: {msg}")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args); help = the docstring under each field."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Args):
-        flag, h = "--" + f.name.replace("_", "-"), docs.get(f.name, "")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
-        else:
-            t = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
-    a = Args(**vars(p.parse_args()))
-    given = {k for k in CPU if getattr(a, k) != getattr(Args, k)}      # budgets set on the command line
-    for k, v in (GPU if a.gpu else CPU).items():                       # the others get the mode's default
-        if k not in given:
-            setattr(a, k, v)
-    if "sft_steps" in given and "sft_epochs" not in given:
-        a.sft_epochs = 0.0                                             # explicit steps beat the GPU epochs
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", default="ml-100k", help="01's --dataset (ml-100k | amazon-beauty)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds to run: one seed is one ~2.5 h piece")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
+    p.add_argument("--exact", action="store_true", help="also 06 --search exact for seed 0 (~9 min per variant)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its CPU time estimate; run nothing")
+    p.add_argument("--report-only", action="store_true", help="run nothing; tables and figures from finished runs")
+    p.add_argument("--keep-models", action="store_true", help="keep the weights (~0.5 GB per model folder)")
+    p.add_argument("--device", default="cpu", help="--device for 02-07 (cpu | cuda)")
+    p.add_argument("--out-root", default="out", help="01/02 artifacts: <out-root>/<dataset> (made when missing)")
+    p.add_argument("--work-dir", default="runs/study", help="the run folders (git-ignored)")
+    p.add_argument("--results-dir", default="results", help="the markdown report and figures")
+    a = p.parse_args(argv)
+    a.seeds = [int(s) for s in str(a.seeds).split(",") if s != ""]
+    a.variants = a.variants.split(",")
+    bad = [v for v in a.variants if v not in VARIANTS]
+    if bad:
+        die(f"unknown variant(s) {','.join(bad)}; choose from {','.join(VARIANTS)}")
     return a
 
 
 # ---------------------------------------------------------------------------------------------------
-# Running the numbered scripts
+# The plan: which scripts, with which flags, and the file that says each step is done
 # ---------------------------------------------------------------------------------------------------
-_FLAGS = {}
+def tokenizer_dir(a, tokenizer):
+    base = os.path.join(a.out_root, a.dataset)
+    return base if tokenizer == "rqvae" else os.path.join(a.work_dir, a.dataset, f"_tok_{tokenizer}")
 
 
-def check_flags(script, cmd):
-    """Every --flag we pass must exist in the script's --help (catches drift between this driver and a step)."""
-    if script not in _FLAGS:
+def run_dir(a, variant, seed):
+    return os.path.join(a.work_dir, a.dataset, variant, f"seed{seed}")
+
+
+def final_model(a, variant, seed):
+    v = VARIANTS[variant]
+    return os.path.join(run_dir(a, variant, seed), "models", v.init + ("+gti" if v.gti else "") + "+sft")
+
+
+def plan_setup(a, tokenizer):
+    """rqvae: 01 and 02 in <out-root>/<dataset>; another tokenizer: 02 again in its own folder (01's files linked)."""
+    d, dev = tokenizer_dir(a, tokenizer), ["--device", a.device]
+    step02 = Step("02", "02_rqvae.py", ["--out-dir", d, *TOKENIZER_02[tokenizer], *dev], os.path.join(d, "02_rqvae.json"))
+    if tokenizer != "rqvae":
+        return [step02]
+    return [Step("01", "01_embed_items.py", ["--dataset", a.dataset, "--out-dir", d], os.path.join(d, "dataset.pt")),
+            step02]
+
+
+def plan(a, variant, seed):
+    """The steps of one run, in order."""
+    v, run, dev = VARIANTS[variant], run_dir(a, variant, seed), ["--device", a.device]
+    model = os.path.join(run, "models", v.init)
+    scale = ["--centroid-scale", v.scale] if v.scale else []
+    diag = lambda stage, m: Step(f"07_{stage}", "07_diagnose.py", [
+        "--out-dir", run, "--models", m, "--names", variant, "--save", os.path.join(run, f"diag_{stage}.json"),
+        "--no-figures", *dev], os.path.join(run, f"diag_{stage}.json"))
+    steps = [Step("03", "03_expand_vocab.py", ["--out-dir", run, "--model", BACKBONE, "--init", v.init, *scale,
+                                               "--seed", seed, *dev], os.path.join(model, "sid_vocab.json")),
+             diag("init", model)]
+    if v.gti:
+        steps += [Step("04", "04_ground.py", ["--out-dir", run, "--model", model, "--save", model + "+gti",
+                                              "--steps", GROUND_STEPS, "--seed", seed, *dev],
+                       os.path.join(model + "+gti", "04_ground.json")),
+                  diag("ground", model + "+gti")]
+        model += "+gti"
+    final = final_model(a, variant, seed)
+    steps += [Step("05", "05_sft.py", ["--model", model, "--save", final, "--out-dir", run, "--eval-every", EVAL_EVERY,
+                                       *(["--aux-tasks"] if v.aux else []), "--seed", seed, *dev],
+                   os.path.join(final, "05_sft.json")),
+              diag("sft", final),
+              Step("06", "06_eval.py", ["--model", final, "--out-dir", run, "--protocol", "excluded",
+                                        "--cold-max", COLD_MAX, "--seed", seed, *dev],
+                   os.path.join(final, "eval_test.json"))]
+    if a.exact and seed == 0:
+        steps.append(Step("06x", "06_eval.py", ["--model", final, "--out-dir", run, "--protocol", "excluded",
+                                                "--cold-max", COLD_MAX, "--search", "exact", "--seed", seed, *dev],
+                          os.path.join(final, "eval_test_exact.json")))
+    return [s._replace(args=[str(x) for x in s.args]) for s in steps]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running: one subprocess per step, skipped when its `done` file exists
+# ---------------------------------------------------------------------------------------------------
+_HELP = {}
+
+
+def script_flags(script):
+    """The --flags a script's --help lists."""
+    if script not in _HELP:
         h = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True).stdout
-        _FLAGS[script] = set(re.findall(r"--[a-z][a-z0-9-]*", h))
-    bad = [c for c in cmd if c.startswith("--") and c not in _FLAGS[script]]
-    if bad:
-        die(f"{script} has no {', '.join(bad)}; update scripts/study.py to its current flags")
+        _HELP[script] = set(re.findall(r"--[a-z][a-z0-9-]*", h))
+    return _HELP[script]
 
 
-def step(a: Args, script, args, log, done=None):
-    """Run `python script args` (unless `done` exists), output to `log`; one line with the time."""
-    args = [str(x) for x in args]
-    check_flags(script, args)
-    line = f"python {script} {' '.join(args)}"
-    if done is True or (isinstance(done, str) and os.path.exists(done)):
-        print(f"  skip (done)  {line}")
-        return 0.0
-    if a.dry_run:
-        print(f"  {line}")
-        return 0.0
+def run_script(script, args, log):
+    """python <script> <args> > log; one line and exit on failure. Returns seconds."""
     t = time.time()
     os.makedirs(os.path.dirname(log), exist_ok=True)
     with open(log, "w") as f:
         r = subprocess.run([sys.executable, script, *args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                            env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    dt = time.time() - t
     if r.returncode != 0:
         tail = open(log).read().strip().splitlines()[-1:] or ["(no output)"]
-        die(f"{script} failed after {dt:.0f}s ({tail[0]}); full log: {log}")
-    print(f"  {dt:6.1f}s  {line}")
-    tj = os.path.join(os.path.dirname(log), "timings.json")           # seconds per step, kept across resumes
-    times = load_json(tj) or {}
-    times[os.path.basename(log)[:-4]] = round(dt, 1)
-    with open(tj, "w") as f:
-        json.dump(times, f, indent=1)
-    return dt
+        die(f"{script} failed after {time.time() - t:.0f}s ({tail[0]}); full log: {log}")
+    return time.time() - t
 
 
-def link_base(base, run):
-    """A run folder sees 01/02's artifacts (symlinks) and gets its own models/."""
-    os.makedirs(run, exist_ok=True)
-    for f in ("dataset.pt", "item_emb.npy", "sids.npy", "centroids.pt", "rqvae.pt", "01_embed_items.json",
-              "02_rqvae.json"):
-        src, dst = os.path.abspath(os.path.join(base, f)), os.path.join(run, f)
-        if os.path.exists(src) and not os.path.lexists(dst):
-            os.symlink(src, dst)
+def execute(a, steps, logs):
+    """Run the steps not done yet; returns the estimated seconds of those (dry run) or the measured ones."""
+    total = 0.0
+    for s in steps:
+        bad = [x for x in s.args if x.startswith("--") and x not in script_flags(s.script)]
+        if bad:
+            die(f"{s.script} has no {', '.join(bad)}; update scripts/study.py to its current flags")
+        args = s.args + (["--resume"] if s.script == "05_sft.py" and os.path.exists(s.args[s.args.index("--save") + 1]
+                                                                                   + ".resume.pt") else [])
+        line = f"python {s.script} {' '.join(args)}"
+        if os.path.exists(s.done):
+            print(f"  skip (done)  {line}")
+        elif a.dry_run:
+            print(f"  ~{SECONDS[s.name.split('_')[0]]:4.0f}s  {line}")
+            total += SECONDS[s.name.split("_")[0]]
+        else:
+            dt = run_script(s.script, args, os.path.join(logs, f"{s.name}.log"))
+            print(f"  {dt:6.1f}s  {line}")
+            total += dt
+            tj = os.path.join(logs, "timings.json")                    # seconds per step, kept across resumes
+            os.makedirs(logs, exist_ok=True)
+            times = json.load(open(tj)) if os.path.exists(tj) else {}
+            with open(tj, "w") as f:
+                json.dump({**times, s.name: round(dt, 1)}, f, indent=1)
+    return total
+
+
+def link_artifacts(src, dst, files=("dataset.pt", "item_emb.npy", "sids.npy", "centroids.pt", "rqvae.pt",
+                                    "01_embed_items.json", "02_rqvae.json")):
+    os.makedirs(dst, exist_ok=True)
+    for f in files:
+        s, d = os.path.abspath(os.path.join(src, f)), os.path.join(dst, f)
+        if os.path.exists(s) and not os.path.lexists(d):
+            os.symlink(s, d)
 
 
 def slim_copy(model, dst):
-    """Keep only sid_vocab.json and the input-embedding tensor (what 07 reads) of a model folder."""
+    """sid_vocab.json + the input-embedding tensor of a model folder (all 07 reads), for the seed-0 figures."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-    if os.path.exists(os.path.join(dst, "model.safetensors")):
+    if os.path.exists(os.path.join(dst, "model.safetensors")) or not os.path.isdir(model):
         return
-    for fn in sorted(os.listdir(model)):
-        if fn.endswith(".safetensors"):
-            with safe_open(os.path.join(model, fn), framework="pt") as f:
-                key = next((k for k in f.keys() if "embed_tokens" in k), None)
-                if key:
-                    os.makedirs(dst, exist_ok=True)
-                    shutil.copy(os.path.join(model, "sid_vocab.json"), dst)
-                    save_file({key: f.get_tensor(key).float().contiguous()}, os.path.join(dst, "model.safetensors"))
-                    return
+    for fn in sorted(f for f in os.listdir(model) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(model, fn), framework="pt") as f:
+            key = next((k for k in f.keys() if "embed_tokens" in k), None)
+            if key:
+                os.makedirs(dst, exist_ok=True)
+                shutil.copy(os.path.join(model, "sid_vocab.json"), dst)
+                save_file({key: f.get_tensor(key).float().contiguous()}, os.path.join(dst, "model.safetensors"))
+                return
 
 
-def drop_weights(run):
-    """Delete weights and resume checkpoints of a finished run; keep every JSON."""
-    for root, _, files in os.walk(os.path.join(run, "models")):
-        for fn in files:
-            if fn.endswith((".safetensors", ".bin", ".pt")):
-                os.remove(os.path.join(root, fn))
+def run_one(a, variant, seed):
+    """One run: its steps (finished ones skipped), then the slim copies (seed 0) and the weights dropped."""
+    run = run_dir(a, variant, seed)
+    finished = os.path.join(run, "finished.json")
+    steps = plan(a, variant, seed)
+    if os.path.exists(finished):
+        missing = [s.name for s in steps if not os.path.exists(s.done)]
+        print(f"  skip (done)  {variant} seed {seed}" + (f"; its weights are gone, so {missing} cannot run: delete "
+                                                         f"{run} to redo it" if missing else ""))
+        return 0.0
+    if not a.dry_run:
+        link_artifacts(tokenizer_dir(a, VARIANTS[variant].tokenizer), run)
+    seconds = execute(a, steps, os.path.join(run, "logs"))
+    if a.dry_run:
+        return seconds
+    if seed == 0:
+        for st in ("init", "ground", "sft"):
+            m = next((s.args[s.args.index("--models") + 1] for s in steps if s.name == f"07_{st}"), None)
+            if m:
+                slim_copy(m, os.path.join(run, "slim", st))
+    if not a.keep_models:                                              # weights and resume checkpoints; JSONs stay
+        for root, _, files in os.walk(os.path.join(run, "models")):
+            for fn in files:
+                if fn.endswith((".safetensors", ".bin", ".pt")):
+                    os.remove(os.path.join(root, fn))
+    with open(finished, "w") as f:
+        json.dump({"variant": variant, "seed": seed, "variant_def": VARIANTS[variant]._asdict()}, f)
+    return seconds
 
 
-def run_one(a: Args, ds, base, variant, seed):
-    """One variant, one seed: 03 -> 07 -> (04 -> 07) -> 05 -> 07 -> 06. Returns {stage: model folder}."""
-    v, run = VARIANTS[variant], os.path.join(a.work_dir, ds, variant, f"seed{seed}")
-    link_base(base, run)
-    logs, dev = os.path.join(run, "logs"), ["--device", a.device]
-    expand = [x.format(centroid_scale=a.centroid_scale) for x in v.get("expand", [])]
-    if a.until not in ("init", "ground", "sft", "eval"):
-        die(f"unknown --until {a.until!r}; use init|ground|sft|eval")
-    if a.centroid_map and v["init"] in ("centroid", "shuffled") and "--centroid-map" not in expand:
-        expand += ["--centroid-map", a.centroid_map]
-    m = os.path.join(run, "models", v["init"])
-    stages = {"init": m}
-    final = os.path.join(run, "models", v["init"] + ("+gti" if v.get("ground") else "") + "+sft")
-    done_all = os.path.join(final, "eval_test_keep.json")
-    marker = {"init": os.path.join(run, "diag_init.json"), "ground": os.path.join(run, "diag_ground.json"),
-              "sft": os.path.join(run, "diag_sft.json"), "eval": done_all}[a.until]
-    if a.until == "ground" and not v.get("ground"):
-        marker = os.path.join(run, "diag_init.json")
-    if os.path.exists(marker):                                         # finished up to --until before
-        print(f"  skip (done)  {variant} seed {seed} up to {a.until}")
-        return finish(a, run, seed, stages)
-    # a step is done when its weights exist (a run dropped after an earlier --until is rebuilt, same seed)
-    weights = lambda f: os.path.isdir(f) and any(x.endswith(".safetensors") for x in os.listdir(f))
-    step(a, "03_expand_vocab.py", ["--out-dir", run, "--model", BACKBONE, "--init", v["init"], *expand,
-                                   "--seed", seed, *dev], f"{logs}/03.log", weights(m))
-    diag = lambda model, stage: step(a, "07_diagnose.py", ["--out-dir", run, "--models", model, "--names", variant,
-                                                           "--save", os.path.join(run, f"diag_{stage}.json"),
-                                                           "--no-figures"], f"{logs}/07_{stage}.log",
-                                     os.path.join(run, f"diag_{stage}.json"))
-    diag(m, "init")
-    if a.until == "init":
-        return finish(a, run, seed, stages)
-    if v.get("ground"):
-        g = m + "+gti"
-        step(a, "04_ground.py", ["--out-dir", run, "--model", m, "--save", g, "--steps", a.ground_steps,
-                                 "--batch-size", a.ground_batch_size, "--seed", seed, "--dtype", "float32", *dev],
-             f"{logs}/04.log", weights(g) and os.path.exists(os.path.join(g, "04_ground.json")))
-        diag(g, "ground")
-        m = stages["ground"] = g
-    if a.until == "ground":
-        return finish(a, run, seed, stages)
-    budget = ["--epochs", a.sft_epochs] if a.sft_epochs else ["--steps", a.sft_steps]
-    step(a, "05_sft.py", ["--model", m, "--save", final, "--out-dir", run, *budget, "--batch-size", a.sft_batch_size,
-                          "--eval-every", a.eval_every, "--val-examples", a.val_examples, "--no-resumable", *FORMER_05,
-                          *(["--lr", a.sft_lr] if a.sft_lr else []), *v.get("sft", []), "--seed", seed, *dev],
-         f"{logs}/05.log", weights(final) and os.path.exists(os.path.join(final, "05_sft.json")))
-    stages["sft"] = final
-    diag(final, "sft")
-    if a.until == "eval":
-        step(a, "06_eval.py", ["--model", final, "--out-dir", run, "--split", "test", "--beam", a.beam,
-                               "--users", a.eval_users, "--protocol", "kept", "--dtype", "float32", "--seed", seed,
-                               *dev], f"{logs}/06.log", done_all)
-    return finish(a, run, seed, stages)
-
-
-def finish(a: Args, run, seed, stages):
-    """Keep seed 0's embedding rows (slim) for the side-by-side figures, then drop the weights."""
-    if seed == 0 and not a.dry_run:
-        for st, path in stages.items():
-            slim_copy(path, os.path.join(run, "slim", st))
-    if not a.keep_models and not a.dry_run:
-        drop_weights(run)
-    return stages
+def seed0_figures(a, res_variants):
+    """Per tokenizer and stage, one 07 over seed 0 of every variant (slim copies): heatmaps, spectra, popularity."""
+    figs = []
+    for tok in ("rqvae", "rqkmeans"):
+        for st in ("init", "ground", "sft"):
+            have = [(v, os.path.join(run_dir(a, v, 0), "slim", st)) for v in res_variants
+                    if VARIANTS[v].tokenizer == tok]
+            have = [(v, p) for v, p in have if os.path.exists(os.path.join(p, "model.safetensors"))]
+            if not have:
+                continue
+            save = os.path.join(a.results_dir, f"{a.dataset}{'' if tok == 'rqvae' else '_' + tok}_{st}.json")
+            old = json.load(open(save)) if os.path.exists(save) else {}
+            if sorted(old.get("models", {})) != sorted(v for v, _ in have):   # redo only when the set changed
+                run_script("07_diagnose.py", ["--out-dir", tokenizer_dir(a, tok), "--models", ",".join(p for _, p in have),
+                                              "--names", ",".join(v for v, _ in have), "--save", save,
+                                              "--device", a.device],
+                           os.path.join(a.work_dir, a.dataset, "logs", f"07_{tok}_{st}.log"))
+            figs += [f"{os.path.splitext(save)[0]}_{k}.png" for k in ("cosine", "spectra", "popularity")]
+    return [f for f in figs if os.path.exists(f)]
 
 
 # ---------------------------------------------------------------------------------------------------
-# Aggregation
+# Collect and report
 # ---------------------------------------------------------------------------------------------------
 def load_json(path):
     return json.load(open(path)) if os.path.exists(path) else None
 
 
-def ms(xs, fmt="{:.3f}"):
-    """'mean +- std' over seeds ('-' when nothing; std over >= 2 values)."""
+def collect(a, variants):
+    """Per variant, the finished seeds (eval_test.json + topk): topk, 05's curve, 07 per stage, 04, seconds."""
+    out = {}
+    for v in variants:
+        root, runs = os.path.join(a.work_dir, a.dataset, v), []
+        seeds = sorted(int(d[4:]) for d in os.listdir(root) if re.fullmatch(r"seed\d+", d)) if os.path.isdir(root) else []
+        for s in seeds:
+            run, final = run_dir(a, v, s), final_model(a, v, s)
+            if not os.path.exists(os.path.join(final, "eval_test_topk.npy")):
+                continue
+            runs.append({"seed": s, "eval": load_json(os.path.join(final, "eval_test.json")),
+                         "topk": np.load(os.path.join(final, "eval_test_topk.npy")),
+                         "exact_topk": np.load(os.path.join(final, "eval_test_exact_topk.npy"))
+                         if os.path.exists(os.path.join(final, "eval_test_exact_topk.npy")) else None,
+                         "sft": load_json(os.path.join(final, "05_sft.json")),
+                         "diag": {st: (load_json(os.path.join(run, f"diag_{st}.json")) or {}).get("models", {}).get(v)
+                                  for st in ("init", "ground", "sft")},
+                         "seconds": sum((load_json(os.path.join(run, "logs", "timings.json")) or {}).values())})
+        out[v] = runs
+    return out
+
+
+def per_user(runs, targets, cold, key="topk"):
+    """{metric: (U,) mean over seeds} for all users and {metric: (U_cold,)} for cold targets: the seeds pooled."""
+    ms = [ev.per_user_metrics(r[key], targets[:len(r[key])]) for r in runs if r[key] is not None]
+    if not ms:
+        return None
+    allu = {k: np.mean([m[k] for m in ms], 0) for k in ms[0]}
+    return {"all": allu, "cold": {k: x[cold[:len(x)]] for k, x in allu.items()}, "seeds": len(ms)}
+
+
+def mean_std(xs, fmt="{:.4f}"):
+    """'mean +- std over seeds' ('-' when nothing; std over >= 2)."""
     xs = [x for x in xs if x is not None and np.isfinite(x)]
     if not xs:
         return "-"
     return fmt.format(np.mean(xs)) + (" +- " + fmt.format(np.std(xs, ddof=1)) if len(xs) > 1 else "")
 
 
-def collect(a: Args, ds, variants):
-    """Per variant: per seed the diagnostics of each stage, the SFT summary and the test metrics."""
-    out = {}
-    for v in variants:
-        runs = []
-        for s in range(a.seeds):
-            run = os.path.join(a.work_dir, ds, v, f"seed{s}")
-            final = os.path.join(run, "models", VARIANTS[v]["init"] + ("+gti" if VARIANTS[v].get("ground") else "") + "+sft")
-            diag = {st: load_json(os.path.join(run, f"diag_{st}.json")) for st in STAGES}
-            runs.append({"diag": {st: d["models"][v] for st, d in diag.items() if d},
-                         "reference": next((d["reference"] for d in diag.values() if d), None),
-                         "sft": load_json(os.path.join(final, "05_sft.json")),
-                         "eval": load_json(os.path.join(final, "eval_test_keep.json")),
-                         "ground": load_json(os.path.join(run, "models", VARIANTS[v]["init"] + "+gti", "04_ground.json")),
-                         "seconds": sum((load_json(os.path.join(run, "logs", "timings.json")) or {}).values())})
-        out[v] = runs
-    return out
-
-
 def steps_to(curve, thr):
-    """First validation step whose loss <= thr (None if never)."""
-    return next((st for st, loss, *_ in curve if loss <= thr), None)
+    """First SFT step at which the validation loss reaches thr, linear between validations (None: never)."""
+    for i, (st, loss, *_) in enumerate(curve):
+        if loss <= thr:
+            if i == 0:
+                return float(st)
+            s0, l0 = curve[i - 1][:2]
+            return s0 + (l0 - thr) / (l0 - loss) * (st - s0)
+    return None
 
 
-def per_position(sft):
-    """Last validation accuracy at each target position (a/b/c/.../eos), mean over the seeds that logged it."""
-    accs = [s["val_level_acc"][-1][1] for s in sft if s.get("val_level_acc")]
-    if not accs:
-        return "-"
-    names = next((s["val_level_names"] for s in sft if s.get("val_level_names")), range(len(accs[0])))
-    return " ".join(f"{n} {x:.2f}" for n, x in zip(names, np.mean(accs, 0)))
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
-def report(a: Args, ds, res, figs, cmd):
+def t_interval(d):
+    """Mean of d and its 95% t interval over seeds ([mean, None, None] below two values)."""
+    d = np.asarray([x for x in d if x is not None], float)
+    if len(d) < 2:
+        return [float(d.mean()) if len(d) else None, None, None]
+    h = T975.get(len(d) - 1, 1.96) * d.std(ddof=1) / np.sqrt(len(d))
+    return [float(d.mean()), float(d.mean() - h), float(d.mean() + h)]
+
+
+def verdict(lo, hi):
+    """From a 95% interval of (ours - baseline) in the direction the paper claims."""
+    if lo is None or hi is None:
+        return "inconclusive"
+    return "reproduced" if lo > 0 else "not reproduced" if hi < 0 else "inconclusive"
+
+
+def threshold_verdict(effect, t):
+    """Geometry claims: reproduced when effect >= t, not reproduced when effect <= 0, else inconclusive."""
+    if effect is None:
+        return "inconclusive"
+    return "reproduced" if effect >= t else "not reproduced" if effect <= 0 else "inconclusive"
+
+
+def geo(res, v, stage, key):
+    """Mean over seeds of a 07 number ('levels.all.<key>' or top-level 'purity'); None when absent."""
+    xs = [(d["purity"] if key == "purity" else d["levels"]["all"].get(key))
+          for r in res.get(v, []) for d in [r["diag"].get(stage)] if d]
+    xs = [x for x in xs if x is not None]
+    return float(np.mean(xs)) if xs else None
+
+
+def convergence(res, a_, b_):
+    """Steps to the worse of the two variants' mean best validation loss, paired by seed (same example order)."""
+    best = [np.mean([r["sft"]["best_val_loss"] for r in res.get(v, []) if r["sft"]] or [np.nan]) for v in (a_, b_)]
+    thr = max(best)
+    steps = {v: {r["seed"]: steps_to(r["sft"]["val_curve"], thr) for r in res.get(v, []) if r["sft"]} for v in (a_, b_)}
+    both = sorted(s for s in steps[a_] if s in steps[b_] and steps[a_][s] is not None and steps[b_][s] is not None)
+    return thr, steps, [steps[b_][s] - steps[a_][s] for s in both]      # > 0: a_ needs fewer steps
+
+
+def boot(x, y):
+    """06's paired bootstrap of x - y over users; [None] * 3 when there are no users (e.g. no cold target)."""
+    return ev.paired_bootstrap(x, y) if len(x) else [None, None, None]
+
+
+def fmt_iv(d, f="{:+.4f}"):
+    return "-" if d[0] is None else f.format(d[0]) + ("" if d[1] is None else f" [{f.format(d[1])}, {f.format(d[2])}]")
+
+
+def pairs(variants):
+    """The paired comparisons: every variant vs random of its tokenizer, then the papers' own pairs."""
+    ref = {"rqvae": "random", "rqkmeans": "rqk-random"}
+    out = [(v, ref[VARIANTS[v].tokenizer]) for v in variants if v not in ref.values()]
+    out += [("mean+gti", "mean"), ("mean+aux", "mean"), ("mean+gti", "mean+aux"), ("centroid", "shuffled"),
+            ("rqk-centroid", "rqk-shuffled"), ("centroid+gti", "centroid"), ("rqk-random", "random"),
+            ("rqk-centroid", "centroid")]
+    return [p for p in dict.fromkeys(out) if p[0] in variants and p[1] in variants]
+
+
+# The papers' claims (METHODS.md), in its order. paired: a - b over users (metric; "cold:" = cold targets only);
+# steps: SFT steps to the same validation loss, b - a per seed; geometry: a 07 number after SFT (or at init),
+# effect = a - b, or 1 - a / b for "ratio", judged by a plain threshold.
+CLAIMS = [  # claim, paper's number, kind, a, b, what
+    ("GTI: mean init collapses the SID rows, low-rank after SFT", "qualitative (SVD spectrum, cosine)",
+     "geometry", "mean", "mean+gti", ("effective_rank", "sft", "sft", "ratio", 0.5)),
+    ("GTI vs mean: Recall@20", "+26.02% (Vibrent)", "paired", "mean+gti", "mean", "recall@20"),
+    ("GTI vs mean: NDCG@10", "+8.0% (Vibrent .0188 -> .0203)", "paired", "mean+gti", "mean", "ndcg@10"),
+    ("LC-Rec aux tasks vs mean: Recall@10", "+11.7% (Vibrent .0342 -> .0382); industrial +6.38%",
+     "paired", "mean+aux", "mean", "recall@10"),
+    ("GTI vs LC-Rec aux tasks: Recall@10", "+9.2% (Vibrent .0382 -> .0417); industrial +21.63% vs +6.38%",
+     "paired", "mean+gti", "mean+aux", "recall@10"),
+    ("GTI keeps the codebook geometry after SFT (RSA, block structure)", "qualitative (RSA, cosine blocks)",
+     "geometry", "mean+gti", "mean", ("rsa_codebook", "sft", "sft", "difference", 0.1)),
+    ("centroid vs random: Recall@5", "+6.5% on average (up to +16%)", "paired", "centroid", "random", "recall@5"),
+    ("centroid vs random: Recall@5, RQ-KMeans SIDs (the paper's tokenizer)", "+6.5% on average (up to +16%)",
+     "paired", "rqk-centroid", "rqk-random", "recall@5"),
+    (f"centroid vs random: cold targets (seen <= {COLD_MAX} times), Recall@10", "+37% on average (up to +60%)",
+     "paired", "centroid", "random", "cold:" + COLD),
+    ("centroid vs random: SFT steps to the same validation loss", "27% fewer on average (up to 40%)",
+     "steps", "centroid", "random", None),
+    ("random init drifts to a popularity axis (Thm 3.1)", "qualitative (rows organize by popularity)",
+     "geometry", "random", "random", ("pop_spearman_abs", "sft", "init", "difference", 0.2)),
+    ("shuffled centroids < centroid: Recall@5", "lower (ablation; no number given)",
+     "paired", "centroid", "shuffled", "recall@5"),
+    ("shuffled centroids < centroid: Recall@5, RQ-KMeans SIDs", "lower (ablation; no number given)",
+     "paired", "rqk-centroid", "rqk-shuffled", "recall@5"),
+    ("centroid init keeps item semantics after SFT (purity)", "qualitative (CPT does not recover them)",
+     "geometry", "centroid", "random", ("purity", "sft", "sft", "difference", 0.05)),
+]
+
+
+def claim_row(res, pu, kind, a_, b_, what):
+    """(ours, verdict) of one claim."""
+    if kind == "paired":
+        part, metric = what.split(":") if ":" in what else ("all", what)
+        if not (pu.get(a_) and pu.get(b_)):
+            return "not run", "inconclusive"
+        d = boot(pu[a_][part][metric], pu[b_][part][metric])
+        base = float(pu[b_][part][metric].mean()) if d[0] is not None else 0.0
+        rel = f" ({100 * d[0] / base:+.1f}%)" if base > 0 else ""
+        return (f"{fmt_iv(d)}{rel}; {pu[a_]['seeds']} vs {pu[b_]['seeds']} seeds, {len(pu[a_][part][metric])} users",
+                verdict(d[1], d[2]))
+    if kind == "steps":
+        thr, steps, d = convergence(res, a_, b_)
+        iv = t_interval(d)
+        if iv[0] is None:
+            return "not run", "inconclusive"
+        mb = np.mean([x for x in steps[b_].values() if x is not None])
+        return (f"{fmt_iv(iv, '{:+.1f}')} steps fewer ({100 * iv[0] / mb:+.1f}% of {b_}'s {mb:.0f}) to val loss "
+                f"{thr:.3f} (the worse mean best of the two), linear between validations every {EVAL_EVERY} steps; "
+                f"95% t interval over {len(d)} seed pairs", verdict(iv[1], iv[2]))
+    key, st_a, st_b, form, t = what
+    va, vb = geo(res, a_, st_a, key), geo(res, b_, st_b, key)
+    if va is None or vb is None or (form == "ratio" and not vb):
+        return "not run", "inconclusive"
+    e = 1 - va / vb if form == "ratio" else va - vb
+    return (f"{key}: {a_} ({st_a}) {va:.3f}, {b_} ({st_b}) {vb:.3f}; effect "
+            f"{'1 - a / b' if form == 'ratio' else 'a - b'} = {e:+.3f} (threshold {t})", threshold_verdict(e, t))
+
+
+def claims(res, pu, cmd):
+    """The claims table: (claim, paper's number, ours, verdict, the command that reruns that row)."""
+    return [(name, paper, *claim_row(res, pu, kind, a_, b_, what), f"`{cmd} --variants {a_},{b_}`"
+             if a_ != b_ else f"`{cmd} --variants {a_}`") for name, paper, kind, a_, b_, what in CLAIMS]
+
+
+def report(a, res, targets, popularity, cmd, figs=()):
+    """results/<dataset>.md from the collected runs; targets / popularity from 01's dataset.pt."""
+    variants = [v for v in res if res[v]]
+    cold = popularity[targets] <= COLD_MAX
+    pu = {v: per_user(res[v], targets, cold) for v in variants}
+    md = [f"# Study: {a.dataset}", "",
+          f"Command: `{cmd}` (pieces: `--seeds 0`, `--seeds 1`, `--seeds 2`; this report covers the runs finished when "
+          f"it was written).  ", f"Machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, device "
+          f"{a.device}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; compute "
+          f"{sum(r['seconds'] for v in variants for r in res[v]) / 3600:.2f} h (sum of the runs' step times).  ",
+          f"Budget: 05's defaults (220 steps x 8, lr 1e-3, level softmax), validation every {EVAL_EVERY} steps; GTI "
+          f"{GROUND_STEPS} grounding steps; 06 beam 20 over all {len(targets)} test users, history excluded; cold "
+          f"targets = seen <= {COLD_MAX} times in training ({int(cold.sum())} users).  ",
+          "Differences are paired over users: per user the metric is averaged over the variant's seeds, then users "
+          "are resampled (2,000 bootstrap draws, 95% percentile interval).", ""]
+    # --- claims
+    md += ["## The papers' claims", "", "Verdict: reproduced when the 95% interval of (ours - baseline) lies above 0, "
+           "not reproduced when it lies below 0, inconclusive when it contains 0; geometry rows use the stated "
+           "threshold (reproduced at >= threshold, not reproduced at <= 0).", "",
+           "| claim | paper | ours | verdict | command |", "|---|---|---|---|---|"]
+    md += [f"| {' | '.join(r)} |" for r in claims(res, pu, cmd.split(" --seeds")[0] + " --seeds 0,1,2")]
+    # --- per variant
+    thr, _, _ = convergence(res, "centroid", "random")
+    md += ["", "## Test metrics per variant (mean +- std over seeds: the seed spread)", "",
+           "| variant | tokenizer | init | GTI | aux | seeds | " + " | ".join(n for _, n in METRICS)
+           + f" | cold R@10 | best val loss | steps to val loss {thr:.3f} | h/run |", "|---" * (len(METRICS) + 10) + "|"]
+    for v in variants:
+        rs, d = res[v], VARIANTS[v]
+        seed_means = lambda k, c=False: [float(ev.per_user_metrics(r["topk"], targets[:len(r["topk"])])[k]
+                                               [cold[:len(r["topk"])] if c else slice(None)].mean()) for r in rs]
+        reach = [steps_to(r["sft"]["val_curve"], thr) for r in rs if r["sft"]]
+        md.append(f"| {v} | {d.tokenizer} | {d.init}{' ' + d.scale if d.scale else ''} | {'yes' if d.gti else ''} | "
+                  f"{'yes' if d.aux else ''} | {len(rs)} ({','.join(str(r['seed']) for r in rs)}) | "
+                  + " | ".join(mean_std(seed_means(k)) for k, _ in METRICS) + f" | {mean_std(seed_means(COLD, True))}"
+                  f" | {mean_std([r['sft']['best_val_loss'] for r in rs if r['sft']], '{:.3f}')}"
+                  f" | {mean_std(reach, '{:.0f}')} ({sum(x is not None for x in reach)}/{len(reach)} reached)"
+                  f" | {mean_std([r['seconds'] / 3600 for r in rs if r['seconds']], '{:.2f}')} |")
+    e0 = next((r["eval"] for v in variants for r in res[v] if r["eval"]), None)
+    if e0:
+        md.append("| most popular | | | | | | " + " | ".join(f"{e0['most_popular'][k]:.4f}" for k, _ in METRICS)
+                  + f" | {e0['cold_most_popular'][COLD]:.4f} | | | |")
+    # --- paired differences
+    md += ["", "## Paired differences (a - b; seeds pooled per user; 95% bootstrap over users)", "",
+           "| a | b | seeds a/b | " + " | ".join(n for _, n in METRICS) + " | cold R@10 |", "|---" * (len(METRICS) + 4) + "|"]
+    for x, y in pairs(variants):
+        cells = [fmt_iv(boot(pu[x]["all"][k], pu[y]["all"][k])) for k, _ in METRICS]
+        cells.append(fmt_iv(boot(pu[x]["cold"][COLD], pu[y]["cold"][COLD])))
+        md.append(f"| {x} | {y} | {pu[x]['seeds']}/{pu[y]['seeds']} | " + " | ".join(cells) + " |")
+    ex = {v: per_user(res[v], targets, cold, "exact_topk") for v in variants}
+    ex = {v: p for v, p in ex.items() if p}
+    if ex:                                                             # --exact: does the search change a comparison?
+        md += ["", "## Beam vs exact top-20 (seed 0): the same differences, exact search", "",
+               "| a | b | " + " | ".join(n for _, n in METRICS) + " |", "|---" * (len(METRICS) + 2) + "|"]
+        md += [f"| {x} | {y} | " + " | ".join(fmt_iv(boot(ex[x]["all"][k], ex[y]["all"][k]))
+                                              for k, _ in METRICS) + " |" for x, y in pairs(list(ex))]
+    # --- geometry
+    md += ["", "## Geometry of the SID rows (07, all levels; mean +- std over seeds)", "",
+           "| variant | stage | " + " | ".join(n for _, n in GEOMETRY) + " | purity@10 |", "|---" * (len(GEOMETRY) + 3) + "|"]
+    for v in variants:
+        for st in ("init", "ground", "sft"):
+            ds = [r["diag"][st] for r in res[v] if r["diag"].get(st)]
+            if ds:
+                md.append(f"| {v} | {st} | " + " | ".join(mean_std([d["levels"]["all"].get(k) for d in ds], "{:.2f}")
+                                                          for k, _ in GEOMETRY)
+                          + f" | {mean_std([d['purity'] for d in ds], '{:.3f}')} |")
+    # --- validation curves
+    figs = [validation_figure(a, res, variants, thr)] + list(figs)
+    md += ["", "## Figures", ""] + [f"![{os.path.basename(f)}]({os.path.basename(f)})" for f in figs if f]
+    os.makedirs(a.results_dir, exist_ok=True)
+    path = os.path.join(a.results_dir, f"{a.dataset}.md")
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(md) + "\n")
+    os.replace(path + ".tmp", path)
+    print("\n".join(md[:40]))
+    print(f"wrote {path}")
+    return path
+
+
+def validation_figure(a, res, variants, thr):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    variants = list(res)
-    best = {v: [r["sft"]["best_val_loss"] for r in res[v] if r["sft"]] for v in variants}
-    thr = a.loss_threshold or max((np.mean(b) for b in best.values() if b), default=float("nan"))
-    seconds = sum(r["seconds"] for v in variants for r in res[v])
-    lines = [f"# Study: {ds}", "", f"Command: `{cmd}`  ", f"Machine: {platform.node()} {platform.machine()}, "
-             f"{os.cpu_count()} CPUs, device {a.device}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-             f"compute {seconds / 60:.1f} min (sum of the runs' step times, 01/02 excluded)  ", f"Budgets: seeds {a.seeds}, SFT "
-             + (f"{a.sft_epochs} epochs" if a.sft_epochs else f"{a.sft_steps} steps") + f" x batch {a.sft_batch_size}"
-             f" (val every {a.eval_every}, {a.val_examples or 'all'} val examples), grounding {a.ground_steps} steps"
-             f" x batch {a.ground_batch_size}, test users {a.eval_users or 'all'}, beam {a.beam}", ""]
-    # --- recommendation
-    lines += ["## Test metrics (mean +- std over seeds)", "",
-              "| variant | " + " | ".join(n for _, n in METRICS) + " | cold R@10 (n) | best val loss | step of best"
-              f" | steps to val loss {thr:.3f} | last val token acc | per position | s/run |",
-              "|---" * (len(METRICS) + 8) + "|"]
-    pop = None
-    for v in variants:
-        ev = [r["eval"] for r in res[v] if r["eval"]]
-        pop = pop or (ev[0] if ev else None)
-        sft = [r["sft"] for r in res[v] if r["sft"]]
-        reach = [steps_to(s["val_curve"], thr) for s in sft]
-        lines.append(f"| {v} | " + " | ".join(ms([e["model"].get(k) for e in ev]) for k, _ in METRICS)
-                     + f" | {ms([e['cold_model'].get('recall@10') for e in ev])} ({ev[0]['cold_users'] if ev else '-'})"
-                     + f" | {ms(best[v])} | {ms([s['best_step'] for s in sft], '{:.0f}')}"
-                     + f" | {ms(reach, '{:.0f}')} ({sum(x is not None for x in reach)}/{len(sft)} reached)"
-                     + f" | {ms([s['val_curve'][-1][2] for s in sft if len(s['val_curve'][-1]) > 2])}"
-                     + f" | {per_position(sft)}"
-                     + f" | {ms([r['seconds'] for r in res[v] if r['seconds']], '{:.0f}')} |")
-    if pop:
-        lines.append("| most popular | " + " | ".join(f"{pop['most_popular'].get(k, float('nan')):.3f}" for k, _ in METRICS)
-                     + f" | {pop['cold_most_popular'].get('recall@10', float('nan')):.3f} | | | | | | |")
-    if ds == "amazon-beauty":
-        lines.append("| TIGER (published) | " + " | ".join(f"{TIGER_BEAUTY[k]:.4f}" if k in TIGER_BEAUTY else "-"
-                                                             for k, _ in METRICS) + " | | | | | | | |")
-    # --- geometry
-    ref = next((r["reference"] for v in variants for r in res[v] if r["reference"]), None)
-    lines += ["", "## Geometry of the SID rows (all levels; mean +- std over seeds)", "",
-              "| variant | stage | " + " | ".join(n for _, n in GEOMETRY) + " | purity@10 | vocab/SID spread |",
-              "|---" * (len(GEOMETRY) + 4) + "|"]
-    for v in variants:
-        for st in STAGES:
-            ds_ = [r["diag"][st] for r in res[v] if st in r["diag"]]
-            if ds_:
-                lines.append(f"| {v} | {st} | " + " | ".join(ms([d["levels"]["all"][k] for d in ds_], "{:.2f}")
-                                                               for k, _ in GEOMETRY)
-                             + f" | {ms([d['purity'] for d in ds_])} | {ms([d['spread_ratio_vocab_over_sid'] for d in ds_], '{:.2f}')} |")
-    if ref:
-        lines += ["", f"Purity@{ref['k']} references: raw item embeddings {ref['purity_item_emb']:.3f}, random Gaussian "
-                  f"SID rows {ref['purity_random_sid_rows']:.3f} (what the SID assignment alone gives), chance "
-                  f"{ref['purity_chance']:.3f}."]
-    for v in variants:                                                 # 04's held-out text -> SID accuracy
-        g = [r["ground"] for r in res[v] if r["ground"]]
-        if g:
-            lines += ["", f"Grounding {v}: held-out text->SID next-token accuracy (mean over levels) "
-                      f"{ms([x.get('held_out_acc_before') for x in g])} -> {ms([x.get('held_out_acc_after') for x in g])}, "
-                      f"within the level's tokens {ms([x.get('held_out_acc_in_level_before') for x in g])} -> "
-                      f"{ms([x.get('held_out_acc_in_level_after') for x in g])}."]
-    # --- validation-loss curves
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     for v in variants:
         curves = [np.array([c[:2] for c in r["sft"]["val_curve"]]) for r in res[v] if r["sft"]]
         if curves:
             n = min(len(c) for c in curves)
             y = np.stack([c[:n, 1] for c in curves])
-            ax.plot(curves[0][:n, 0], y.mean(0), label=v)
-            ax.fill_between(curves[0][:n, 0], y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.2)
+            ax.plot(curves[0][:n, 0], y.mean(0), marker=".", label=f"{v} ({len(curves)})",
+                    ls="--" if VARIANTS[v].tokenizer != "rqvae" else "-")
+            ax.fill_between(curves[0][:n, 0], y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.15)
     if np.isfinite(thr):
-        ax.axhline(thr, color="k", lw=0.5, ls="--")
-    ax.set(xlabel="SFT step", ylabel="validation loss", title=f"{ds}: validation loss (mean +- std over seeds)")
+        ax.axhline(thr, color="k", lw=0.5, ls=":")
+    ax.set(xlabel="SFT step", ylabel="validation loss", title=f"{a.dataset}: validation loss (mean +- std over seeds)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = os.path.join(a.results_dir, f"{ds}{a.tag}_val_loss.png")
+    path = os.path.join(a.results_dir, f"{a.dataset}_val_loss.png")
+    os.makedirs(a.results_dir, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    figs = [path] + figs
-    lines += ["", "## Figures", ""] + [f"![{os.path.basename(f)}]({os.path.basename(f)})" for f in figs]
-    md = os.path.join(a.results_dir, f"{ds}{a.tag}.md")
-    with open(md + ".tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(md + ".tmp", md)
-    print("\n".join(lines[:40]))
-    print(f"wrote {md}")
+    return path
 
 
 # ---------------------------------------------------------------------------------------------------
-# Main
+# Main: setup, then seed-major over the variants, then the report
 # ---------------------------------------------------------------------------------------------------
-def run_all(a: Args, ds, base, variants):
-    """01 and 02 once per dataset (skipped when their files exist), then every variant x seed."""
-    t0, dev = time.time(), ["--device", a.device]
-    data_dir = ["--data-dir", a.data_dir] if a.data_dir and ds != "ml-100k" else []
-    step(a, "01_embed_items.py", ["--dataset", ds, "--out-dir", base, *data_dir, "--encoder", a.encoder, *dev],
-         f"{a.work_dir}/{ds}/logs/01.log", os.path.join(base, "dataset.pt"))
-    step(a, "02_rqvae.py", ["--out-dir", base, *dev], f"{a.work_dir}/{ds}/logs/02.log", os.path.join(base, "rqvae.pt"))
-    for seed in range(a.seeds):                                        # seed-major: seed 0 of all variants first
-        for v in variants:
-            t = time.time()
-            print(f"--- {ds} {v} seed {seed}")
-            run_one(a, ds, base, v, seed)
-            print(f"    {v} seed {seed}: {time.time() - t:.0f}s (study so far {(time.time() - t0) / 60:.1f} min)")
-
-
-def main():
-    a = parse_args()
+def main(argv=None):
+    a = parse_args(argv)
     os.chdir(REPO)
-    variants = (WHY if a.variants == "why" else a.variants).split(",")
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad:
-        die(f"unknown variant(s) {bad}; choose from {','.join(VARIANTS)}")
-    if not os.path.exists(os.path.join(BACKBONE, "config.json")):
-        die(f"{BACKBONE} not found; run `make setup` first")
-    cmd = "python scripts/study.py " + " ".join(sys.argv[1:])
-    os.makedirs(a.results_dir, exist_ok=True)
-    for ds in a.datasets.split(","):
-        t0 = time.time()
-        base = os.path.join(a.out_root, ds)
-        print(f"=== {ds}: variants {variants}, seeds {a.seeds}, device {a.device}")
-        if not a.report_only:
-            run_all(a, ds, base, variants)
+    cmd = f"python scripts/study.py --dataset {a.dataset} --seeds {','.join(map(str, a.seeds))}"
+    if not a.report_only:
+        if not os.path.exists(os.path.join(BACKBONE, "config.json")) and not a.dry_run:
+            die(f"{BACKBONE} not found; run `make setup` first")
+        print(f"=== {a.dataset}: {len(a.variants)} variants x seeds {a.seeds}, device {a.device}"
+              + (" (dry run: estimated CPU seconds on 2 idle cores)" if a.dry_run else ""))
+        total, logs = 0.0, os.path.join(a.work_dir, a.dataset, "logs")
+        for t in sorted({VARIANTS[v].tokenizer for v in a.variants}, key=lambda t: t != "rqvae"):  # rqvae first
+            if t != "rqvae" and not a.dry_run:
+                link_artifacts(tokenizer_dir(a, "rqvae"), tokenizer_dir(a, t),
+                               ("dataset.pt", "item_emb.npy", "01_embed_items.json"))
+            total += execute(a, plan_setup(a, t), logs)
+        for seed in a.seeds:                                           # seed-major: one seed of everything first
+            for v in a.variants:
+                print(f"--- {v} seed {seed}")
+                total += run_one(a, v, seed)
+        print(f"{'estimated' if a.dry_run else 'measured'} CPU time of this piece: {total / 3600:.2f} h")
         if a.dry_run:
-            continue
-        figs = []
-        for st in STAGES:                                              # side by side: seed 0 of every variant
-            have = [(v, os.path.join(a.work_dir, ds, v, "seed0", "slim", st)) for v in variants]
-            have = [(v, p) for v, p in have if os.path.exists(os.path.join(p, "model.safetensors"))]
-            if have:
-                save = os.path.join(a.results_dir, f"{ds}{a.tag}_{st}.json")
-                step(a, "07_diagnose.py", ["--out-dir", base, "--models", ",".join(p for _, p in have),
-                                           "--names", ",".join(v for v, _ in have), "--save", save],
-                     f"{a.work_dir}/{ds}/logs/07_{st}_all.log")
-                figs += [f"{os.path.splitext(save)[0]}_{k}.png" for k in ("cosine", "spectra", "popularity")]
-        report(a, ds, collect(a, ds, variants), figs, cmd)
+            return
+    ds = os.path.join(tokenizer_dir(a, "rqvae"), "dataset.pt")
+    if not os.path.exists(ds):
+        die(f"{ds} not found; run the study (01) first")
+    import torch
+    data = torch.load(ds, weights_only=True)
+    res = collect(a, list(VARIANTS))
+    if not any(res.values()):
+        die(f"no finished run under {os.path.join(a.work_dir, a.dataset)}; run a piece first")
+    os.makedirs(a.results_dir, exist_ok=True)
+    figs = seed0_figures(a, [v for v in VARIANTS if res[v]])
+    report(a, res, data["test"].numpy(), data["popularity"].numpy(), cmd, figs)
 
 
 if __name__ == "__main__":

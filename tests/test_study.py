@@ -1,78 +1,250 @@
-"""scripts/study.py: the aggregation (mean +- std, steps to threshold, most-popular row) on constructed run
-folders, and the driver's command plan (--dry-run) against the numbered scripts' current flags."""
+"""scripts/study.py: the variants table, the report on constructed run folders with known per-user top-k lists
+(means, seed spread, paired intervals, verdicts, steps to a validation loss), the dry-run plan against the
+numbered scripts' --help, and a killed piece that resumes (finished steps skipped, 05 with --resume)."""
 import json
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import load_script, REPO, assert_one_line_error, run
 
 study = load_script("scripts/study.py")
+U = 400                                          # users; user u's test target is item u
 
 
-def test_mean_std_and_steps_to_threshold():
-    assert study.ms([1.0, 3.0]) == "2.000 +- 1.414"
-    assert study.ms([2.0, None]) == "2.000"
-    assert study.ms([]) == "-"
-    curve = [[0, 3.0, 0.1], [10, 2.5, 0.2], [20, 2.0, 0.3]]
-    assert study.steps_to(curve, 2.5) == 10 and study.steps_to(curve, 1.0) is None
+def test_variants_table():
+    V = study.VARIANTS
+    assert len(V) == 11 and {"random", "mean", "centroid", "shuffled", "mean+gti", "centroid+gti", "random+gti",
+                             "mean+aux", "rqk-random", "rqk-centroid", "rqk-shuffled"} == set(V)
+    for name, v in V.items():                    # every plain centroid row has a shuffled twin at the same scale
+        if v.init == "centroid" and not v.gti:
+            twins = [w for w in V.values() if w.init == "shuffled" and w.tokenizer == v.tokenizer]
+            assert twins and all(w.scale == v.scale and not w.gti and not w.aux for w in twins), name
+    assert all(bool(v.scale) == (v.init in ("centroid", "shuffled")) for v in V.values())
 
 
-def fake_run(work, v, seed, best, recall):
-    """A finished run folder as run_one leaves it (JSONs only)."""
-    run_dir = os.path.join(work, "toy", v, f"seed{seed}")
-    final = os.path.join(run_dir, "models", study.VARIANTS[v]["init"] + "+sft")
+def test_steps_to_intervals_verdicts():
+    curve = [[0, 5.0, 0.0], [44, 3.0, 0.1], [88, 1.0, 0.2]]
+    assert study.steps_to(curve, 2.0) == 66.0                           # linear between validations
+    assert study.steps_to(curve, 5.0) == 0.0 and study.steps_to(curve, 0.5) is None
+    m, lo, hi = study.t_interval([1.0, 2.0, 3.0])
+    assert m == 2.0 and np.isclose(hi - m, 4.303 / np.sqrt(3))          # t_{0.975, 2} * sd / sqrt(n)
+    assert study.t_interval([1.0])[1:] == [None, None]
+    assert study.verdict(0.1, 0.3) == "reproduced" and study.verdict(-0.3, -0.1) == "not reproduced"
+    assert study.verdict(-0.1, 0.2) == "inconclusive" and study.verdict(None, None) == "inconclusive"
+    assert [study.threshold_verdict(e, 0.2) for e in (0.3, 0.1, -0.1, None)] == \
+        ["reproduced", "inconclusive", "not reproduced", "inconclusive"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Constructed run folders
+# ---------------------------------------------------------------------------------------------------
+def topk_hitting(hit_users, rank=0):
+    """(U, 20) lists: user u's target (item u) at `rank` for u in hit_users, absent otherwise."""
+    top = np.tile(np.arange(10_000, 10_020), (U, 1))
+    top[list(hit_users), rank] = np.array(list(hit_users))
+    return top
+
+
+def fake_run(a, v, seed, hits, curve, geometry):
+    run_dir, final = study.run_dir(a, v, seed), study.final_model(a, v, seed)
     os.makedirs(final)
-    lv = {k: 1.0 for k, _ in study.GEOMETRY}
-    diag = {"reference": {"k": 10, "purity_item_emb": 0.5, "purity_random_sid_rows": 0.3, "purity_chance": 0.1},
-            "models": {v: {"levels": {"all": lv}, "purity": 0.4, "spread_ratio_vocab_over_sid": 2.0}}}
-    for st in ("init", "sft"):
-        json.dump(diag, open(os.path.join(run_dir, f"diag_{st}.json"), "w"))
-    json.dump({"val_curve": [[0, 4.0, 0.0], [10, best + 0.5, 0.1], [20, best, 0.2]], "best_val_loss": best,
-               "best_step": 20} | ({"val_level_acc": [[20, [0.1 * seed, 0.2, 0.0, 1.0]]],     # older 05: no
-                                    "val_level_names": ["a", "b", "c", "eos"]} if seed else {}),  # per position
+    np.save(os.path.join(final, "eval_test_topk.npy"), topk_hitting(hits))
+    m = {k: 0.0 for k, _ in study.METRICS}
+    json.dump({"model": m, "most_popular": {k: 0.01 for k in m}, "cold_most_popular": {"recall@10": 0.0}},
+              open(os.path.join(final, "eval_test.json"), "w"))
+    json.dump({"val_curve": [[s, l, 0.1] for s, l in curve], "best_val_loss": min(l for _, l in curve)},
               open(os.path.join(final, "05_sft.json"), "w"))
-    m = {"recall@5": recall, "recall@10": recall, "recall@20": recall, "ndcg@10": recall / 2}
-    json.dump({"model": m, "most_popular": {k: 0.05 for k in m}, "cold_users": 3, "cold_model": {"recall@10": 0.0},
-               "cold_most_popular": {"recall@10": 0.0}}, open(os.path.join(final, "eval_test_keep.json"), "w"))
+    for st, g in geometry.items():
+        lv = {"effective_rank": g.get("erank", 5.0), "pop_spearman_abs": g.get("pop", 0.1),
+              "rsa_codebook": g.get("rsa", 0.2), "pop_probe_r2": 0.1, "mean_cos": 0.0, "rsa_centroids": 0.1}
+        json.dump({"models": {v: {"levels": {"all": lv}, "purity": g.get("purity", 0.2)}}},
+                  open(os.path.join(run_dir, f"diag_{st}.json"), "w"))
 
 
-def test_report_table(tmp_path):
-    a = study.Args(seeds=2, work_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"))
-    os.makedirs(a.results_dir)
-    for s, (b_r, b_m) in enumerate([(2.0, 3.0), (2.2, 3.2)]):
-        fake_run(a.work_dir, "random", s, b_r, 0.02 + 0.01 * s)
-        fake_run(a.work_dir, "mean", s, b_m, 0.01)
-    res = study.collect(a, "toy", ["random", "mean"])
-    study.report(a, "toy", res, [], "python scripts/study.py --test")
-    md = open(os.path.join(a.results_dir, "toy.md")).read()
-    rows = {}
-    for line in md.splitlines():                                        # first table: test metrics
-        if line.startswith("| "):
-            rows.setdefault(line.split("|")[1].strip(), line)
-    assert "0.025 +- 0.007" in rows["random"]                           # Recall@5 over the two seeds
-    assert "steps to val loss 3.100" in md                              # auto threshold: worst mean best loss
-    assert "(2/2 reached)" in rows["random"] and "(1/2 reached)" in rows["mean"]
-    assert rows["most popular"].count("0.050") == 4
-    assert "| 0.200 +- 0.000 |" in rows["random"]
-    assert "| a 0.10 b 0.20 c 0.00 eos 1.00 |" in rows["random"]             # per position: the seed that has it                           # last validation token accuracy
+RANDOM = [[0, 5.0], [44, 4.0], [88, 3.0], [132, 2.5], [176, 2.2], [220, 2.0]]
+FAST = [[0, 5.0], [44, 3.0], [88, 2.0], [132, 1.9], [176, 1.85], [220, 1.8]]
+
+
+@pytest.fixture
+def constructed(tmp_path):
+    a = study.parse_args(["--work-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "res"),
+                          "--dataset", "toy"])
+    for s in range(3):
+        fake_run(a, "random", s, range(80 + 20 * s), RANDOM,                       # R@5 .20/.25/.30 over seeds
+                 {"init": {"pop": 0.05, "purity": 0.3}, "sft": {"pop": 0.6, "purity": 0.3}})
+        fake_run(a, "centroid", s, range(200), FAST, {"sft": {"purity": 0.2}})    # +0.25: reproduced
+        fake_run(a, "shuffled", s, range(300), FAST, {})                          # centroid - shuffled < 0
+        fake_run(a, "mean+gti", s, range(100, 200), RANDOM, {"sft": {"erank": 10.0, "rsa": 0.3}})
+    fake_run(a, "mean", 0, range(100), RANDOM, {"sft": {"erank": 2.0, "rsa": 0.25}})   # one seed only
+    targets = np.arange(U)
+    popularity = np.where(np.arange(U) % 4 == 0, 3, 100)                          # every 4th target is cold
+    return a, study.collect(a, list(study.VARIANTS)), targets, popularity
+
+
+def table(md, title):
+    """Rows of the markdown table under `## title...`, keyed by their first cell(s)."""
+    part = md.split("## " + title)[1].split("\n## ")[0]
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in part.splitlines() if line.startswith("| ")][1:]
+
+
+def test_report_on_constructed_runs(constructed):
+    a, res, targets, pop = constructed
+    assert [r["seed"] for r in res["random"]] == [0, 1, 2] and len(res["mean"]) == 1 and res["mean+aux"] == []
+    pu = study.per_user(res["random"], targets, pop[targets] <= study.COLD_MAX)
+    assert pu["seeds"] == 3 and pu["all"]["recall@5"][90] == pytest.approx(2 / 3)   # seeds pooled per user
+    assert pu["all"]["recall@5"].mean() == pytest.approx(0.25) and len(pu["cold"]["recall@10"]) == 100
+
+    md = open(study.report(a, res, targets, pop, "python scripts/study.py --dataset toy --seeds 0,1,2")).read()
+    per_variant = {r[0]: r for r in table(md, "Test metrics per variant")}
+    assert per_variant["random"][5] == "3 (0,1,2)" and per_variant["mean"][5] == "1 (0)"
+    assert per_variant["random"][6] == "0.2500 +- 0.0500"                         # R@5: seed spread
+    assert per_variant["centroid"][6:10] == ["0.5000 +- 0.0000"] * 4                # rank 1: R@5=R@10=R@20=N@10
+    assert per_variant["centroid"][10] == "0.5000 +- 0.0000"                       # cold R@10: 50 of 100
+    assert "steps to val loss 2.000" in md                                        # the worse best of the pair
+    assert per_variant["random"][12].startswith("220 +- 0 (3/3") and per_variant["centroid"][12].startswith("88 +- 0")
+    assert per_variant["most popular"][6] == "0.0100"
+
+    diffs = {(r[0], r[1]): r for r in table(md, "Paired differences")}
+    assert diffs[("centroid", "random")][2] == "3/3" and diffs[("mean", "random")][2] == "1/3"
+    d, lo, hi = map(float, re.findall(r"[+-]\d\.\d+", diffs[("centroid", "random")][3]))
+    assert d == 0.25 and 0 < lo < d < hi                                          # R@5 +0.25 [lo, hi]
+
+    claims = {r[0]: r for r in table(md, "The papers' claims")}
+    assert len(claims) == 14                                                      # every claim of METHODS.md
+    verdict = {k: r[3] for k, r in claims.items()}
+    assert verdict["centroid vs random: Recall@5"] == "reproduced"
+    assert "(+100.0%)" in claims["centroid vs random: Recall@5"][2]
+    assert verdict["shuffled centroids < centroid: Recall@5"] == "not reproduced"
+    assert verdict["GTI vs mean: Recall@20"] == "inconclusive"                   # same mean, other users
+    assert verdict["centroid vs random: cold targets (seen <= 25 times), Recall@10"] == "reproduced"
+    assert verdict["centroid vs random: SFT steps to the same validation loss"] == "reproduced"
+    assert claims["centroid vs random: SFT steps to the same validation loss"][2].startswith("+132.0 [+132.0, +132.0]")
+    assert verdict["GTI: mean init collapses the SID rows, low-rank after SFT"] == "reproduced"   # 1 - 2/10 >= .5
+    assert verdict["random init drifts to a popularity axis (Thm 3.1)"] == "reproduced"            # .55 >= .2
+    assert verdict["GTI keeps the codebook geometry after SFT (RSA, block structure)"] == "inconclusive"  # .05
+    assert verdict["centroid init keeps item semantics after SFT (purity)"] == "not reproduced"  # -.1
+    assert claims["GTI vs LC-Rec aux tasks: Recall@10"][2:4] == ["not run", "inconclusive"]
+    assert "--variants centroid,random" in claims["centroid vs random: Recall@5"][4]
+    assert "--variants random`" in claims["random init drifts to a popularity axis (Thm 3.1)"][4]
     assert os.path.exists(os.path.join(a.results_dir, "toy_val_loss.png"))
 
 
-def test_dry_run_matches_script_flags(tmp_path):
-    """Every flag the driver passes exists in the committed scripts (it checks their --help)."""
-    for s in ("03_expand_vocab.py", "04_ground.py", "05_sft.py", "06_eval.py"):
-        if not os.path.exists(os.path.join(REPO, s)):
-            pytest.skip(f"{s} not written yet")
-    r = run("scripts/study.py", "--dry-run", "--seeds", "1", "--work-dir", tmp_path / "w",
+# ---------------------------------------------------------------------------------------------------
+# The plan against the scripts, and resuming
+# ---------------------------------------------------------------------------------------------------
+def test_dry_run_passes_only_listed_flags(tmp_path):
+    r = run("scripts/study.py", "--dry-run", "--seeds", "0,1", "--exact", "--work-dir", tmp_path / "w",
             "--results-dir", tmp_path / "r", "--out-root", tmp_path / "o")
-    assert r.stdout.count("python 05_sft.py") == len(study.Args.variants.split(","))
-    assert r.stdout.count("python 04_ground.py") == 2 and "--aux-tasks" in r.stdout
-    r = run("scripts/study.py", "--dry-run", "--seeds", "1", "--variants", "why", "--until", "sft", "--work-dir",
-            tmp_path / "w", "--results-dir", tmp_path / "r", "--out-root", tmp_path / "o")
-    assert r.stdout.count("python 05_sft.py") == len(study.WHY.split(",")) and "06_eval.py" not in r.stdout
-    assert r.stdout.count("--head-init") == 4 and r.stdout.count("--centroid-map pad") == 1
+    lines = [l.split("python ", 1)[1].split() for l in r.stdout.splitlines() if "python " in l and ".py " in l]
+    helps = {}
+    for script, *args in lines:                  # every flag the plan passes is one the script's --help lists
+        if script not in helps:
+            helps[script] = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True,
+                                           text=True).stdout
+        for x in args:
+            if x.startswith("--"):
+                assert re.search(re.escape(x) + r"\b", helps[script]), f"{script} {x}"
+    count = lambda s: sum(1 for l in lines if l[0] == s)
+    assert count("05_sft.py") == 22 and count("04_ground.py") == 6 and count("03_expand_vocab.py") == 22
+    assert count("06_eval.py") == 22 + 11 and sum("exact" in l for l in lines) == 11   # --exact: seed 0 only
+    assert sum("--aux-tasks" in l for l in lines) == 2 and sum("rqkmeans" in l for l in lines) == 1
+    for l in lines:
+        if l[0] == "03_expand_vocab.py" and l[l.index("--init") + 1] in ("centroid", "shuffled"):
+            assert l[l.index("--centroid-scale") + 1] == "matched"
+        if l[0] == "05_sft.py":
+            assert l[l.index("--eval-every") + 1] == "44"
+        if l[0] == "06_eval.py":
+            assert l[l.index("--cold-max") + 1] == "25" and l[l.index("--protocol") + 1] == "excluded"
+    est = float(re.search(r"estimated CPU time of this piece: ([\d.]+) h", r.stdout).group(1))
+    assert 4.5 < est < 9                                   # two seeds of 11 variants + 11 exact searches
+
+
+def fake_step(calls, kill):
+    """Stands in for run_script: records the call and writes what the script would (tiny weights included)."""
+    from safetensors.torch import save_file
+
+    def model_folder(path):
+        os.makedirs(path, exist_ok=True)
+        json.dump({}, open(os.path.join(path, "sid_vocab.json"), "w"))
+        save_file({"model.embed_tokens.weight": torch.zeros(4, 2)}, os.path.join(path, "model.safetensors"))
+
+    def fake(script, args, log):
+        calls.append((script, args))
+        val = lambda flag: args[args.index(flag) + 1]
+        if script == "01_embed_items.py":
+            os.makedirs(val("--out-dir"), exist_ok=True)
+            torch.save({"test": torch.arange(U), "popularity": torch.arange(U) % 50},
+                       os.path.join(val("--out-dir"), "dataset.pt"))
+        elif script == "02_rqvae.py":
+            np.save(os.path.join(val("--out-dir"), "sids.npy"), np.zeros((U, 3), np.int64))
+            json.dump({}, open(os.path.join(val("--out-dir"), "02_rqvae.json"), "w"))
+        elif script == "03_expand_vocab.py":
+            model_folder(os.path.join(val("--out-dir"), "models", val("--init")))
+        elif script == "04_ground.py":
+            model_folder(val("--save"))
+            json.dump({}, open(os.path.join(val("--save"), "04_ground.json"), "w"))
+        elif script == "05_sft.py":
+            model_folder(val("--save"))
+            if kill and kill in val("--save") and "--resume" not in args:
+                open(val("--save") + ".resume.pt", "w").write("state")
+                raise SystemExit("killed")
+            json.dump({"val_curve": RANDOM, "best_val_loss": 2.0}, open(os.path.join(val("--save"), "05_sft.json"), "w"))
+        elif script == "07_diagnose.py":
+            lv = {k: 0.5 for k, _ in study.GEOMETRY}
+            json.dump({"models": {n: {"levels": {"all": lv}, "purity": 0.2} for n in val("--names").split(",")}},
+                      open(val("--save"), "w"))
+        elif script == "06_eval.py":
+            np.save(os.path.join(val("--model"), "eval_test_topk.npy"), topk_hitting(range(50)))
+            m = {k: 0.1 for k, _ in study.METRICS}
+            json.dump({"model": m, "most_popular": m, "cold_most_popular": m},
+                      open(os.path.join(val("--model"), "eval_test.json"), "w"))
+        return 0.0
+    return fake
+
+
+def test_killed_piece_resumes(tmp_path, monkeypatch):
+    backbone = tmp_path / "backbone"
+    backbone.mkdir()
+    (backbone / "config.json").write_text("{}")
+    monkeypatch.setattr(study, "BACKBONE", str(backbone))
+    argv = ["--variants", "random,mean+gti,rqk-random", "--seeds", "0", "--work-dir", str(tmp_path / "w"),
+            "--out-root", str(tmp_path / "o"), "--results-dir", str(tmp_path / "r")]
+    calls = []
+    monkeypatch.setattr(study, "run_script", fake_step(calls, kill="mean+gti"))
+    with pytest.raises(SystemExit, match="killed"):                   # killed inside mean+gti's 05
+        study.main(argv)
+    assert [c[0] for c in calls] == ["01_embed_items.py", "02_rqvae.py", "02_rqvae.py"] + \
+        ["03_expand_vocab.py", "07_diagnose.py", "05_sft.py", "07_diagnose.py", "06_eval.py"] + \
+        ["03_expand_vocab.py", "07_diagnose.py", "04_ground.py", "07_diagnose.py", "05_sft.py"]
+    assert calls[2][1][2:6] == ["--quantizer", "rqkmeans", "--collisions", "reassign"]  # the tokenizer axis:
+    tok = study.tokenizer_dir(study.parse_args(argv), "rqkmeans")                 # 01's files linked in
+    assert os.path.islink(os.path.join(tok, "dataset.pt")) and calls[2][1][1] == tok
+    run0 = study.run_dir(study.parse_args(argv), "random", 0)
+    assert os.path.exists(os.path.join(run0, "finished.json"))
+    assert not any(f.endswith(".safetensors") for _, _, fs in os.walk(os.path.join(run0, "models")) for f in fs)
+    assert os.path.exists(os.path.join(run0, "slim", "sft", "model.safetensors"))   # seed 0 keeps its rows
+
+    calls.clear()
+    monkeypatch.setattr(study, "run_script", fake_step(calls, kill=""))
+    study.main(argv)                                                  # the same command again
+    steps = [c[0] for c in calls if "--names" not in c[1] or "," not in c[1][c[1].index("--names") + 1]]
+    assert steps[:3] == ["05_sft.py", "07_diagnose.py", "06_eval.py"]  # only what mean+gti had left
+    assert "--resume" in calls[0][1]
+    assert [c[0] for c in calls[3:8]] == ["03_expand_vocab.py", "07_diagnose.py", "05_sft.py", "07_diagnose.py",
+                                          "06_eval.py"]                             # then rqk-random, in full
+    sids = os.path.join(study.run_dir(study.parse_args(argv), "rqk-random", 0), "sids.npy")
+    assert os.path.realpath(sids) == os.path.realpath(os.path.join(tok, "sids.npy"))   # its tokenizer's SIDs
+    assert os.path.exists(os.path.join(tmp_path / "r", "ml-100k.md"))
+
+    calls.clear()
+    study.main(argv)                                                  # everything done: nothing runs
+    assert calls == []
 
 
 def test_unknown_variant_one_line():
