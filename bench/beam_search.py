@@ -54,6 +54,9 @@ class Args:
     """a wider beam whose top-K is also compared with the exact top-K"""
     repeats: int = 2
     """time ours and the floor this many times (interleaved) and keep the fastest"""
+    softmax: str = "full"
+    """full (over the vocabulary, as generate() scores) | sid | level: the normalization our searches use;
+    generate() is only compared under full"""
     max_history: int = 20
     """history items in the prompt (sft_config.json's value when present)"""
 
@@ -138,11 +141,13 @@ def main():
     seqs = data["sequences"][:args.users]
     prompts = ev.build_prompts(tok, cfg.get("template", ev.DEFAULT_TEMPLATE), item_tok, [s[:-1] for s in seqs],
                                cfg.get("max_history", args.max_history))
-    scorer = ev.LevelScorer(model, vocab["token_ids"], "full")     # generate() normalizes over the vocabulary
+    if args.softmax not in ("full", "sid", "level"):
+        ev.die(f"--softmax {args.softmax!r}: use full | sid | level")
+    scorer = ev.LevelScorer(model, vocab["token_ids"], args.softmax)   # generate() normalizes over the vocabulary
     nxt = ev.build_trie(sids, [len(t) for t in vocab["token_ids"]])
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     L = len(nxt)
-    print(f"device {device}  {dtype_note}  users {len(prompts)}  beam {args.beam}  "
+    print(f"device {device}  {dtype_note}  softmax {args.softmax}  users {len(prompts)}  beam {args.beam}  "
           f"levels {L}  items {len(sids)}  prompt tokens mean {np.mean([len(p) for p in prompts]):.0f}  "
           f"batch {args.batch_size}  threads {torch.get_num_threads()}")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -183,7 +188,7 @@ def main():
               f"to score ties; mean overlap {share_common:.1%}; max |score change| of a shared item {score_diff:.1e}")
     print(f"beam {args.beam}: certified exact by its own bound for {int((width > 0).sum())}/{len(prompts)} users")
     speed = "skipped"
-    if args.generate:
+    if args.generate and args.softmax == "full":
         t_gen, (g_items, g_scores) = timed(lambda: hf_generate(model, prompts, item_tok, args.beam, pad,
                                                                 args.batch_size))
         same, tie_ok, diff = agreement(items, scores, g_items, g_scores)
