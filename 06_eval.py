@@ -25,7 +25,7 @@ of its prefixes; that gives a certificate and an exact search (--search exact):
 
 Each json says the share of lists certified exact (beam: usually few; exact: all, with the widths needed).
 "Exact" is with respect to the scores the search computes: the same item scored in a batch of another
-shape moved by <= 2e-5 nats in fp32 and 0 under bf16 (bench/beam_search.py, 16 users); brute-force
+shape moved by <= 2e-5 nats, fp32 or bf16 (bench/beam_search.py, 16 users); brute-force
 scoring without a cache agrees to 1e-4 (tests).
 
 Protocols (--protocol, default both): "history excluded" ranks only items the user has not seen, for the
@@ -320,6 +320,9 @@ def certified(scores, bound, k: int):
     return (scores[:, k - 1] > bound) | (bound == -math.inf)
 
 
+EXACT_FIRST_WIDTH = 0      # exact_search's first width (0: 4k); bench/beam_search.py --exact-first sets it
+
+
 @torch.no_grad()
 def exact_search(model, scorer, nxt, k: int, start, alive=None, ctx=nullcontext(), max_rows: int = 320,
                  first_width: int = 0):
@@ -328,8 +331,9 @@ def exact_search(model, scorer, nxt, k: int, start, alive=None, ctx=nullcontext(
     every list is certified; at the widest level's node count nothing is pruned, so the loop ends.
     start: prefill()'s output (kept intact: each round works on a copy of the users' rows); users are
     re-batched so that a round holds at most max_rows beams. Returns items (B, k), scores (B, k) and the
-    width that certified each list. Why 4k: on ML-100K after SFT (48 users, beam 20) starting at k, 2k and
-    4k took 3.8x, 3.2x and 2.9x the time of one beam-k search, and width 4k certified every list."""
+    width that certified each list. Why 4k: on ML-100K after SFT (16 users, beam 20, level softmax) starting
+    at k took 4.0x the time of one beam-k search and starting at 4k 2.9x, where every list was certified
+    (bench/beam_search.py --softmax level --dtype auto --no-generate --exact-first 20, then 0)."""
     cache, h, mask = start
     B, dev = h.shape[0], h.device
     widest = max([t.shape[0] for t in nxt[1:]] + [int(nxt[-1].max()) + 1])  # most nodes on any level
@@ -375,7 +379,8 @@ def rank_all(model, prompts, scorer, nxt, beam, pad_id, batch_size, histories=No
             for p, exclude in enumerate(excludes):
                 alive = unseen_masks(paths, [histories[u] for u in us]) if exclude else None
                 if search == "exact":                                        # works on copies of the prefill
-                    it, sc, width = exact_search(model, scorer, nxt, beam, start, alive, ctx, batch_size * beam)
+                    it, sc, width = exact_search(model, scorer, nxt, beam, start, alive, ctx, batch_size * beam,
+                                                 EXACT_FIRST_WIDTH)
                 else:
                     mine = start if p == len(excludes) - 1 else (copy.deepcopy(start[0]), *start[1:])
                     it, sc, bound = beam_search(model, batch, scorer, nxt, beam, pad_id, alive, ctx, start=mine,

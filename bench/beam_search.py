@@ -54,6 +54,8 @@ class Args:
     """a wider beam whose top-K is also compared with the exact top-K"""
     repeats: int = 2
     """time ours and the floor this many times (interleaved) and keep the fastest"""
+    exact_first: int = 0
+    """width of the exact search's first round (0: 06's default, 4 x beam)"""
     softmax: str = "full"
     """full (over the vocabulary, as generate() scores) | sid | level: the normalization our searches use;
     generate() is only compared under full"""
@@ -170,6 +172,7 @@ def main():
     print(f"forward floor               {t_floor:8.2f} s   {1000 * t_floor / len(prompts):7.1f} ms/user")
 
     # exact top-K (06 --search exact) and how many beam lists it confirms, at width K and a wider beam
+    ev.EXACT_FIRST_WIDTH = args.exact_first
     t_exact, [(x_items, x_scores, x_width)] = timed(lambda: ev.rank_all(
         model, prompts, scorer, nxt, args.beam, pad, args.batch_size, ctx=ctx, progress=False, search="exact"))
     widths = dict(zip(*[v.tolist() for v in x_width.unique(return_counts=True)]))
