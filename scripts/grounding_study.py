@@ -69,13 +69,17 @@ def main():
                         if n.startswith("centroid+gti_lr") and os.path.exists(os.path.join(work, "models", n, "04_ground.json")))
         sh("07_diagnose.py", "--out-dir", work, "--models", ",".join(names))
         diag = json.load(open(os.path.join(work, "diagnostics.json")))["models"]
+        before = {}                                                    # the base row: accuracy before grounding
+        if len(names) > 1:
+            before = {"before": json.load(open(os.path.join(work, "models", names[1], "04_ground.json")))["before"]}
         for name in names:
             g = os.path.join(work, "models", name, "04_ground.json")
-            ground = json.load(open(g)) if os.path.exists(g) else {}
+            ground = json.load(open(g)) if os.path.exists(g) else before
             lv = diag[name]["levels"]
             rows.append({"scale": scale, "model": name,
                          "lr": ground.get("args", {}).get("lr"), "average": ground.get("args", {}).get("loss_average"),
-                         "held_out_acc_in_level": ground.get("held_out_acc_in_level_after"),
+                         "held_out_acc_in_level": (ground.get("after") or ground.get("before") or {}).get(
+                             "held_out", {}).get("acc_in_level"),
                          "rsa_centroids": {k: round(v["rsa_centroids"], 3) for k, v in lv.items()
                                            if v.get("rsa_centroids") is not None},
                          "purity": round(diag[name]["purity"], 4),
