@@ -51,9 +51,12 @@ run-beauty: setup
 	$(PY) 05_sft.py --out-dir $(BEAUTY) --model $(BEAUTY)/models/centroid+gti --batch-size 24 --steps 150 --eval-every 75
 	$(PY) 06_eval.py --out-dir $(BEAUTY) --model $(BEAUTY)/models/centroid+gti+sft --users 1000
 
-# Beam-search benchmark (needs `make run` or at least 01-03): ours vs generate(num_beams) vs forward floor.
+# Beam-search benchmark (needs `make run`): ours vs generate(num_beams) vs forward floor vs the certified-exact
+# search, under generate's vocabulary-wide normalization, then under the model's own level softmax (README).
 bench: setup
-	$(PY) bench/beam_search.py --model $(OUT)/models/centroid --users 16 --beam 20
+	$(PY) bench/beam_search.py --model $(OUT)/models/centroid+gti+sft --users 16 --beam 20
+	$(PY) bench/beam_search.py --model $(OUT)/models/centroid+gti+sft --users 16 --beam 20 --softmax level \
+		--dtype auto --no-generate
 
 # SFT throughput: prompt vs sequence objective, full vs level softmax, fp32 vs bf16 (needs 01-04).
 bench-sft: setup
