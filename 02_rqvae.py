@@ -202,7 +202,8 @@ def reassign_collisions(codes: np.ndarray, r_last, codebook):
     """Collision-free SIDs with exactly L codes. codes (N, L); r_last (N, D) = the residual each item had
     at the last level; codebook (K, D) = that level's codewords. Among items sharing all L codes, the one
     nearest the codeword keeps it; the others take last-level codes no item of their prefix (c_0..c_{L-2})
-    uses, the closest (item, free code) pair first (distance ||r - e_k||). Returns new codes, moved items."""
+    uses, the closest (item, free code) pair first (distance ||r - e_k||). Returns new codes, moved items
+    and the distances (N, K) it used (for the report)."""
     codes, K = codes.copy(), codebook.shape[0]
     dist = torch.cdist(r_last.float(), codebook.float()).numpy()              # (N, K)
     by_prefix = {}
@@ -227,7 +228,7 @@ def reassign_collisions(codes: np.ndarray, r_last, codebook):
             a, b = np.unravel_index(sub.argmin(), sub.shape)
             codes[movers[a], -1] = free.pop(b)
             moved.append(movers.pop(a))
-    return codes, np.array(sorted(moved), dtype=np.int64)
+    return codes, np.array(sorted(moved), dtype=np.int64), dist
 
 
 def code_centroids(sids: np.ndarray, emb: np.ndarray, sizes):
@@ -363,8 +364,7 @@ def main():
         sizes = [K] * args.levels + [max_group]
     else:
         r_last, book = residuals[args.levels - 1].cpu(), books[-1].cpu()
-        sids, who = reassign_collisions(codes, r_last, book)                  # (N, L)
-        dist = torch.cdist(r_last.float(), book.float()).numpy()
+        sids, who, dist = reassign_collisions(codes, r_last, book)            # (N, L), (M,), (N, K)
         moved = {"moved_items": len(who), "moved_share": round(len(who) / N, 6),
                  "moved_mean_dist_before": float(dist[who, codes[who, -1]].mean()) if len(who) else 0.0,
                  "moved_mean_dist_after": float(dist[who, sids[who, -1]].mean()) if len(who) else 0.0,

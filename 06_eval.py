@@ -320,9 +320,6 @@ def certified(scores, bound, k: int):
     return (scores[:, k - 1] > bound) | (bound == -math.inf)
 
 
-EXACT_FIRST_WIDTH = 0      # exact_search's first width (0: 4k); bench/beam_search.py --exact-first sets it
-
-
 @torch.no_grad()
 def exact_search(model, scorer, nxt, k: int, start, alive=None, ctx=nullcontext(), max_rows: int = 320,
                  first_width: int = 0):
@@ -360,13 +357,14 @@ def exact_search(model, scorer, nxt, k: int, start, alive=None, ctx=nullcontext(
 
 
 def rank_all(model, prompts, scorer, nxt, beam, pad_id, batch_size, histories=None, paths=None,
-             excludes=(False,), ctx=nullcontext(), progress=True, search="beam"):
+             excludes=(False,), ctx=nullcontext(), progress=True, search="beam", first_width=0):
     """Top-`beam` lists for all prompts in batches of similar length, once per protocol in `excludes` (True:
     each user's seen items, from histories + paths = trie_paths, are excluded inside the search). The
     protocols share each batch's prefill (the cache is copied). search="beam": one beam search of width
-    `beam`; "exact": exact_search. Ties in score are broken by item index. Returns one (items, scores,
-    width) triple of (U, beam), (U, beam), (U,) tensors per protocol: width = the beam width at which the
-    list was certified exact (0 = not certified: beam search's list may miss better items)."""
+    `beam`; "exact": exact_search (first_width: its first round, 0 = 4 x beam). Ties in score are broken
+    by item index. Returns one (items, scores, width) triple of (U, beam), (U, beam), (U,) tensors per
+    protocol: width = the beam width at which the list was certified exact (0 = not certified: beam
+    search's list may miss better items)."""
     order = sorted(range(len(prompts)), key=lambda u: len(prompts[u]))
     out = [(torch.full((len(prompts), beam), -1, dtype=torch.long), torch.full((len(prompts), beam), -math.inf),
             torch.zeros(len(prompts), dtype=torch.long)) for _ in excludes]
@@ -380,7 +378,7 @@ def rank_all(model, prompts, scorer, nxt, beam, pad_id, batch_size, histories=No
                 alive = unseen_masks(paths, [histories[u] for u in us]) if exclude else None
                 if search == "exact":                                        # works on copies of the prefill
                     it, sc, width = exact_search(model, scorer, nxt, beam, start, alive, ctx, batch_size * beam,
-                                                 EXACT_FIRST_WIDTH)
+                                                 first_width)
                 else:
                     mine = start if p == len(excludes) - 1 else (copy.deepcopy(start[0]), *start[1:])
                     it, sc, bound = beam_search(model, batch, scorer, nxt, beam, pad_id, alive, ctx, start=mine,

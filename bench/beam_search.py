@@ -172,9 +172,9 @@ def main():
     print(f"forward floor               {t_floor:8.2f} s   {1000 * t_floor / len(prompts):7.1f} ms/user")
 
     # exact top-K (06 --search exact) and how many beam lists it confirms, at width K and a wider beam
-    ev.EXACT_FIRST_WIDTH = args.exact_first
     t_exact, [(x_items, x_scores, x_width)] = timed(lambda: ev.rank_all(
-        model, prompts, scorer, nxt, args.beam, pad, args.batch_size, ctx=ctx, progress=False, search="exact"))
+        model, prompts, scorer, nxt, args.beam, pad, args.batch_size, ctx=ctx, progress=False, search="exact",
+        first_width=args.exact_first))
     widths = dict(zip(*[v.tolist() for v in x_width.unique(return_counts=True)]))
     print(f"exact top-{args.beam} (certified)    {t_exact:8.2f} s   {1000 * t_exact / len(prompts):7.1f} ms/user   "
           f"users per certifying width {widths}")

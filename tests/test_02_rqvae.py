@@ -122,7 +122,7 @@ def test_reassign_collisions_by_hand():
     book = torch.tensor([[0.0], [1.0], [2.0], [3.0]])                              # last level: 4 codewords
     codes = np.array([[0, 0], [0, 0], [0, 0], [0, 3], [1, 0], [1, 0]])
     r = torch.tensor([[0.1], [0.4], [1.8], [3.0], [0.0], [0.2]])
-    new, moved = Q.reassign_collisions(codes, r, book)
+    new, moved, _ = Q.reassign_collisions(codes, r, book)
     # prefix 0: item 0 is nearest code 0 and keeps it; codes 1, 2 are free (3 is item 3's): item 2 (1.8) takes
     # 2 first (distance 0.2), then item 1 (0.4) takes 1; prefix 1: item 4 keeps 0, item 5 takes 1
     assert new.tolist() == [[0, 0], [0, 1], [0, 2], [0, 3], [1, 0], [1, 1]] and moved.tolist() == [1, 2, 5]
