@@ -13,8 +13,16 @@ the centroid paper; `shuffled` is its ablation.
                                       orthonormal d -> d_model map (both keep every pairwise distance)
               e_{l,k} = s * (c'_{l,k} - mean_{l,k} c') + mu            (Alg. 1 mean shift; s = 1 "plain",
                         s = rms spread of the existing rows / rms spread of the c' ("matched");
-                        "level": each level centered on its own mean and scaled to that spread)
+                        "level", the default: each level centered on its own mean and scaled to that spread)
+              --suffix-rows random: the collision-suffix level's rows drawn as random init's instead
     shuffled: the centroid rows permuted among the codes of each level (same rows, no semantic alignment)
+
+Default scale, measured (scripts/suffix_study.py, ML-100K, 05's default schedule stopped after step 66 of 220,
+validation loss on 128 users, seeds 0 / 1): level 2.118 / 2.128, matched + random suffix rows 2.280 / 2.204,
+matched 2.443 / 2.301. Every config learns the suffix level (d accuracy >= 0.98 from step 22); the gain of
+`level` is on level c (accuracy 0.59 / 0.61 vs 0.37 / 0.47 for matched). The former study's suffix failure
+(matched rows: d stuck at 0.00, results/ml-100k_why.md) was measured under 05's former settings (full
+softmax, lr 2e-4) and does not occur at the current defaults.
 
 Rows are written by token id (never weight[-n:]: Qwen-style checkpoints have padding rows past the tokenizer).
 An untied output head gets the same recipe with the head's own statistics. --head-init X unties a tied
@@ -23,7 +31,7 @@ roles of the SID rows can then be studied apart (the study's untied 2 x 2). "Exi
 the tokens the tokenizer had before (padding rows excluded; for SmolLM2 the two are the same).
 
 Reads:  <out-dir>/dataset.pt (01: only to check the item count and fingerprint its items), sids.npy,
-        centroids.pt (02), the base model (--model)
+        centroids.pt, rqvae.pt (02; only its config: is the last level a collision suffix?), the base model
 Writes: <out-dir>/models/<init>/ (model + tokenizer via save_pretrained, plus sid_vocab.json),
         <out-dir>/03_expand_vocab.json (per init: num_new_tokens, norms of new vs old rows, seconds)
 
@@ -67,11 +75,17 @@ class Args:
     """the new rows' init; all = the four folders from one load of the base model"""
     centroid_map: Literal["pad", "orthogonal"] = "orthogonal"
     """centroid init when d < d_model: pad (zero-pad) or orthogonal (seeded orthonormal d -> d_model map)"""
-    centroid_scale: Literal["plain", "matched", "level"] = "matched"
-    """centroid init: plain (the paper's mean shift only) | matched (also scale to the existing rows' spread);
-    matched is the default: lower SFT validation loss in the study (7.36 +- 0.12 vs 7.85 +- 0.04 after 20 steps,
-    3 seeds, results/ml-100k.md); level = matched per level (each level centered on its own mean and scaled to
-    the vocabulary's spread: the deeper levels' and the suffix's centroids are tighter; results/ml-100k_why.md)"""
+    centroid_scale: Literal["plain", "matched", "level"] = "level"
+    """centroid init: plain (the paper's mean shift only) | matched (also scale all rows to the existing rows'
+    spread) | level (each level centered on its own mean and scaled to that spread; the deeper levels' and the
+    suffix's centroids are tighter). level is the default: lowest SFT validation loss after 66 of 05's 220
+    default steps, 2.118 / 2.128 (seeds 0 / 1) vs matched 2.443 / 2.301 and matched + --suffix-rows random
+    2.280 / 2.204, ahead in both seeds (scripts/suffix_study.py, results/ml-100k_suffix.md)"""
+    suffix_rows: Literal["centroid", "random"] = "centroid"
+    """centroid/shuffled inits with a collision-suffix level (02 --collisions suffix): that level's rows follow
+    the init like the others (centroid) or are drawn like random init's (random: the suffix numbers colliding
+    items, it has no semantics); no effect for collision-free SIDs (02 --collisions reassign). At 05's
+    defaults the suffix level is learned either way (accuracy >= 0.98 by step 22, results/ml-100k_suffix.md)"""
     head_init: Literal["same", "random", "mean", "centroid", "shuffled"] = "same"
     """same: the head, tied or not, follows --init; else untie the output head and give its new rows this init"""
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
@@ -100,10 +114,15 @@ def map_to_width(c: torch.Tensor, d_model: int, how: str, gen: torch.Generator) 
     return (c.double() @ q.T).to(c.dtype)                      # x -> Q x keeps all distances     (n, d_model)
 
 
-def new_rows(init: str, old: torch.Tensor, cents: list, args: Args) -> torch.Tensor:
-    """Rows for the new tokens in (level, code) order.  old: (V_old, D) fp32; cents: per level (n_l, d)."""
+def new_rows(init: str, old: torch.Tensor, cents: list, args: Args, suffix: bool = False) -> torch.Tensor:
+    """Rows for the new tokens in (level, code) order.  old: (V_old, D) fp32; cents: per level (n_l, d).
+    suffix: the last level is a collision suffix (its rows are random ones with --suffix-rows random)."""
     n = sum(len(c) for c in cents)
     mu, sigma = old.mean(0), old.std(0)                       # per-dimension statistics        (D,)
+    if suffix and args.suffix_rows == "random" and init in ("centroid", "shuffled"):
+        gen = torch.Generator().manual_seed(args.seed + 2)    # the semantic levels as usual, the suffix random
+        tail = mu + sigma * torch.randn(len(cents[-1]), old.shape[1], generator=gen)          # (n_suffix, D)
+        return torch.cat([new_rows(init, old, cents[:-1], args), tail])
     gen = torch.Generator().manual_seed(args.seed)
     if init == "random":
         return mu + sigma * torch.randn(n, old.shape[1], generator=gen)   # e ~ N(mu, diag sigma^2)  (n, D)
@@ -148,7 +167,9 @@ def load_codes(out_dir: str):
             die(f"sids.npy uses code {u[-1]} at level {l} but centroids.pt has {len(cp['centroids'][l])}; rerun 02")
     cents = [cp["centroids"][l].float()[u] for l, u in enumerate(used)]              # per level (n_l, d)
     sizes = [int(len(cp["centroids"][l])) for l in range(sids.shape[1])]
-    return sids.astype(np.int64), used, cents, sizes, ds
+    rq = load_pt(os.path.join(out_dir, "rqvae.pt"), "run 02_rqvae.py first")
+    suffix = (rq.get("config", {}) if isinstance(rq, dict) else {}).get("collisions", "suffix") == "suffix"
+    return sids.astype(np.int64), used, cents, sizes, ds, suffix
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -161,7 +182,7 @@ def main():
     seed_everything(args.seed)
     device = pick_device(args.device)
     t0 = time.time()
-    sids, used, cents, sizes, ds = load_codes(args.out_dir)
+    sids, used, cents, sizes, ds, suffix = load_codes(args.out_dir)
     L1 = sids.shape[1]
     letters = [level_letter(l) for l in range(L1)]
     names = [f"<{letters[l]}_{k}>" for l in range(L1) for k in used[l]]
@@ -220,7 +241,7 @@ def main():
         with torch.no_grad():
             for k, w in mats.items():
                 how = args.head_init if k == "head" and args.head_init != "same" else init
-                rows = new_rows(how, olds[k], [c.to(device) for c in cents], args)    # (n, D) by (level, code)
+                rows = new_rows(how, olds[k], [c.to(device) for c in cents], args, suffix)  # (n, D), (level, code)
                 w[ids.to(w.device)] = rows.to(w.device, w.dtype)                     # write by token id
                 norms[k] = {"new_mean_norm": round(float(rows.norm(dim=1).mean()), 4),
                             "old_mean_norm": round(float(olds[k].norm(dim=1).mean()), 4),
@@ -231,6 +252,7 @@ def main():
         summary[init] = {"init": init, "num_new_tokens": len(names), "model": args.model,
                          "vocab_before": vocab_before, "vocab_after": len(tok), "tied": not untied,
                          "centroid_map": args.centroid_map, "centroid_scale": args.centroid_scale,
+                         "suffix_rows": args.suffix_rows if suffix else "none",
                          "head_init": init if args.head_init == "same" else args.head_init,
                          "norms": norms, "seconds": round(time.time() - t1, 2)}
         e = norms["embed"]

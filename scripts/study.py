@@ -51,15 +51,15 @@ Variant = namedtuple("Variant", "tokenizer init scale gti aux")
 VARIANTS = {  #                tokenizer   init        scale      gti    aux (LC-Rec tasks in 05)
     "random":       Variant("rqvae",    "random",   "",        False, False),
     "mean":         Variant("rqvae",    "mean",     "",        False, False),
-    "centroid":     Variant("rqvae",    "centroid", "matched", False, False),
-    "shuffled":     Variant("rqvae",    "shuffled", "matched", False, False),
+    "centroid":     Variant("rqvae",    "centroid", "level",   False, False),
+    "shuffled":     Variant("rqvae",    "shuffled", "level",   False, False),
     "mean+gti":     Variant("rqvae",    "mean",     "",        True,  False),
-    "centroid+gti": Variant("rqvae",    "centroid", "matched", True,  False),
+    "centroid+gti": Variant("rqvae",    "centroid", "level",   True,  False),
     "random+gti":   Variant("rqvae",    "random",   "",        True,  False),
     "mean+aux":     Variant("rqvae",    "mean",     "",        False, True),
     "rqk-random":   Variant("rqkmeans", "random",   "",        False, False),
-    "rqk-centroid": Variant("rqkmeans", "centroid", "matched", False, False),
-    "rqk-shuffled": Variant("rqkmeans", "shuffled", "matched", False, False),
+    "rqk-centroid": Variant("rqkmeans", "centroid", "level",   False, False),
+    "rqk-shuffled": Variant("rqkmeans", "shuffled", "level",   False, False),
 }
 TOKENIZER_02 = {"rqvae": [], "rqkmeans": ["--quantizer", "rqkmeans", "--collisions", "reassign"]}
 GROUND_STEPS, EVAL_EVERY, COLD_MAX = 120, 44, 25   # 04 as `make run`; 05 validates 6 times; 109 cold ML-100K users

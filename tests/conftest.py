@@ -48,7 +48,7 @@ def assert_one_line_error(r):
 
 
 def make_synthetic_out(out_dir, num_users=40, num_items=60, d=16, levels=(4, 4, 4), seed=0):
-    """Write dataset.pt, item_emb.npy, sids.npy, centroids.pt as 01/02 would (docs/artifacts.md).
+    """Write dataset.pt, item_emb.npy, sids.npy, centroids.pt, rqvae.pt as 01/02 would (docs/artifacts.md).
 
     Items get SIDs from their index (unique by construction, with a collision suffix level), user
     sequences are random walks of length 5..12. Small enough for a tiny model to fit in seconds."""
@@ -80,6 +80,9 @@ def make_synthetic_out(out_dir, num_users=40, num_items=60, d=16, levels=(4, 4, 
         counts.append(n)
     torch.save({"centroids": cents, "counts": counts, "codebook_sizes": sizes},
                os.path.join(out_dir, "centroids.pt"))
+    torch.save({"config": {"quantizer": "rqvae", "collisions": "suffix", "levels": len(K)},
+                "codebooks": [torch.randn(k, d, generator=torch.Generator().manual_seed(l)) for l, k in enumerate(K)]},
+               os.path.join(out_dir, "rqvae.pt"))
     seqs = [g.integers(0, num_items, g.integers(5, 13)).tolist() for _ in range(num_users)]
     train = [s[:-2] for s in seqs]
     pop = torch.zeros(num_items, dtype=torch.long)

@@ -197,3 +197,43 @@ def test_bad_input_one_line(tmp_path, synthetic_out, tiny_model):
     err = assert_one_line_error(run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model",
                                     os.path.join(synthetic_out, "models", "mean"), check=False))
     assert "already has SID tokens" in err
+
+
+@pytest.mark.parametrize("init", ["centroid", "shuffled"])
+def test_random_suffix_rows(tmp_path, tiny_model, init):
+    """--suffix-rows random: the suffix level's rows are drawn like random init's; the semantic levels are the
+    rows 03 gives without a suffix level (same centering and scale); collision-free SIDs are not touched."""
+    out = make_synthetic_out(str(tmp_path / "o"), d=16)
+    run("03_expand_vocab.py", "--out-dir", out, "--model", tiny_model, "--init", init,
+        "--centroid-scale", "matched", "--suffix-rows", "random")
+    per_level, _ = centroids_in_order(out)
+    m, v, ids = load(os.path.join(out, "models", init))
+    old = AutoModelForCausalLM.from_pretrained(tiny_model).get_input_embeddings().weight.detach()
+    w = m.get_input_embeddings().weight.detach()
+    level_rows = [w[torch.tensor([t for t in v["token_ids"][l] if t >= 0])] for l in range(len(per_level))]
+    semantic, tail = torch.cat(level_rows[:-1]), level_rows[-1]
+    spread = lambda x: (x - x.mean(0)).pow(2).sum(1).mean().sqrt()
+    assert torch.allclose(semantic.mean(0), old.mean(0), atol=1e-5)         # levels a..c centered and matched
+    assert torch.allclose(spread(semantic), spread(old), rtol=1e-4)          # without the suffix rows
+    if init == "centroid":
+        c = torch.cat(per_level[:-1])
+        assert torch.allclose(torch.pdist(semantic) / torch.pdist(semantic).mean(),
+                              torch.pdist(c) / torch.pdist(c).mean(), atol=1e-4)
+    assert len(tail) > 1 and len(torch.unique(tail, dim=0)) == len(tail)      # random rows: spread like the vocab's
+    assert 0.5 < (tail - old.mean(0)).div(old.std(0)).std().item() < 2.0
+    assert json.load(open(os.path.join(out, "03_expand_vocab.json")))[init]["suffix_rows"] == "random"
+    # without a suffix level (02 --collisions reassign) the option changes nothing
+    rq = torch.load(os.path.join(out, "rqvae.pt"), weights_only=True)
+    torch.save(rq | {"config": rq["config"] | {"collisions": "reassign"}}, os.path.join(out, "rqvae.pt"))
+    rows = {}
+    for how in ("centroid", "random"):
+        run("03_expand_vocab.py", "--out-dir", out, "--model", tiny_model, "--init", init, "--suffix-rows", how)
+        rows[how] = load(os.path.join(out, "models", init))[0].get_input_embeddings().weight.detach()[ids]
+    assert torch.equal(rows["centroid"], rows["random"])
+
+
+def test_missing_rqvae_is_one_line(synthetic_out, tiny_model):
+    os.remove(os.path.join(synthetic_out, "rqvae.pt"))
+    r = run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "centroid", check=False)
+    assert_one_line_error(r)
+    assert "rqvae.pt" in r.stderr and "02_rqvae.py" in r.stderr

@@ -156,7 +156,7 @@ def test_dry_run_passes_only_listed_flags(tmp_path):
     assert sum("--aux-tasks" in l for l in lines) == 2 and sum("rqkmeans" in l for l in lines) == 1
     for l in lines:
         if l[0] == "03_expand_vocab.py" and l[l.index("--init") + 1] in ("centroid", "shuffled"):
-            assert l[l.index("--centroid-scale") + 1] == "matched"
+            assert l[l.index("--centroid-scale") + 1] == "level"
         if l[0] == "05_sft.py":
             assert l[l.index("--eval-every") + 1] == "44"
         if l[0] == "06_eval.py":
