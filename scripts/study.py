@@ -435,15 +435,19 @@ CLAIMS = [  # claim, paper's number, kind, a, b, what
      "paired", "rqk-centroid", "rqk-shuffled", "recall@5"),
     ("centroid init keeps item semantics after SFT (purity)", "qualitative (CPT does not recover them)",
      "geometry", "centroid", "random", ("purity", "sft", "sft", "difference", 0.05)),
+    ("centroid + 1-4 CPT epochs ~ random + 6-10 CPT epochs", "qualitative (CPT epochs to the same quality)",
+     "untested", "centroid", "random", "this repository has no continued-pretraining (CPT) stage"),
 ]
 
 
 def claim_row(res, pu, kind, a_, b_, what):
     """(ours, verdict) of one claim."""
+    if kind == "untested":
+        return f"not run: {what}", "not tested"
     if kind == "paired":
         part, metric = what.split(":") if ":" in what else ("all", what)
         if not (pu.get(a_) and pu.get(b_)):
-            return "not run", "inconclusive"
+            return "not run", "not run yet"
         d = boot(pu[a_][part][metric], pu[b_][part][metric])
         base = float(pu[b_][part][metric].mean()) if d[0] is not None else 0.0
         rel = f" ({100 * d[0] / base:+.1f}%)" if base > 0 else ""
@@ -453,7 +457,7 @@ def claim_row(res, pu, kind, a_, b_, what):
         thr, steps, d = convergence(res, a_, b_)
         iv = t_interval(d)
         if iv[0] is None:
-            return "not run", "inconclusive"
+            return "not run", "not run yet"
         mb = np.mean([x for x in steps[b_].values() if x is not None])
         return (f"{fmt_iv(iv, '{:+.1f}')} steps fewer ({100 * iv[0] / mb:+.1f}% of {b_}'s {mb:.0f}) to val loss "
                 f"{thr:.3f} (the worse mean best of the two), linear between validations every {EVAL_EVERY} steps; "
@@ -461,7 +465,7 @@ def claim_row(res, pu, kind, a_, b_, what):
     key, st_a, st_b, form, t = what
     va, vb = geo(res, a_, st_a, key), geo(res, b_, st_b, key)
     if va is None or vb is None or (form == "ratio" and not vb):
-        return "not run", "inconclusive"
+        return "not run", "not run yet"
     e = 1 - va / vb if form == "ratio" else va - vb
     return (f"{key}: {a_} ({st_a}) {va:.3f}, {b_} ({st_b}) {vb:.3f}; effect "
             f"{'1 - a / b' if form == 'ratio' else 'a - b'} = {e:+.3f} (threshold {t})", threshold_verdict(e, t))
@@ -491,7 +495,10 @@ def report(a, res, targets, popularity, cmd, figs=()):
     # --- claims
     md += ["## The papers' claims", "", "Verdict: reproduced when the 95% interval of (ours - baseline) lies above 0, "
            "not reproduced when it lies below 0, inconclusive when it contains 0; geometry rows use the stated "
-           "threshold (reproduced at >= threshold, not reproduced at <= 0).", "",
+           "threshold (reproduced at >= threshold, not reproduced at <= 0)."
+           + (f" **Provisional: {min(len(res[v]) for v in variants)} seed(s) for some variants.** The bootstrap "
+              "resamples users, not training runs; with fewer than 3 seeds a verdict can flip with the next seed."
+              if min(len(res[v]) for v in variants) < 3 else ""), "",
            "| claim | paper | ours | verdict | command |", "|---|---|---|---|---|"]
     md += [f"| {' | '.join(r)} |" for r in claims(res, pu, cmd.split(" --seeds")[0] + " --seeds 0,1,2")]
     # --- per variant
