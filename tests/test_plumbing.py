@@ -135,7 +135,6 @@ def test_guarded_loaders(mods, tmp_path):
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("plumb")
     out = make_synthetic_out(str(root / "out"))
-    torch.save({"codebooks": [torch.zeros(4, 8)] * 3}, os.path.join(out, "rqvae.pt"))   # 07 reads it too
     tiny = make_tiny_model(str(root / "tiny"))
     return out, tiny, make_sid_model(out, tiny, str(root / "out" / "models" / "mean"))
 
