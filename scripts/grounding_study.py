@@ -33,6 +33,23 @@ def sh(*cmd):
                    env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
+def shared_artifacts(dataset: str) -> str:
+    """out/<dataset>, checked to hold 01/02's artifacts (one line and exit if not). Also used by suffix_study.py."""
+    src = os.path.join(REPO, "out", dataset)
+    missing = [f for f in ARTIFACTS if not os.path.exists(os.path.join(src, f))]
+    if missing:
+        sys.exit(f"error: {src} lacks {', '.join(missing)}; run 01_embed_items.py and 02_rqvae.py first")
+    return src
+
+
+def link_artifacts(src: str, work: str):
+    """A work folder with links to the shared 01/02 artifacts (its own 03+ outputs go beside them)."""
+    os.makedirs(work, exist_ok=True)
+    for f in ARTIFACTS:
+        if not os.path.lexists(os.path.join(work, f)):
+            os.symlink(os.path.join(src, f), os.path.join(work, f))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="ml-100k")
@@ -43,17 +60,11 @@ def main():
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--work-dir", default="runs/grounding")
     a = p.parse_args()
-    src = os.path.join(REPO, "out", a.dataset)
-    missing = [f for f in ARTIFACTS if not os.path.exists(os.path.join(src, f))]
-    if missing:
-        sys.exit(f"error: {src} lacks {', '.join(missing)}; run 01_embed_items.py and 02_rqvae.py first")
+    src = shared_artifacts(a.dataset)
     t0, rows = time.time(), []
     for scale in a.scales.split(","):
         work = os.path.join(REPO, a.work_dir, scale)
-        os.makedirs(work, exist_ok=True)
-        for f in ARTIFACTS:                                            # the shared 01/02 artifacts, linked
-            if not os.path.exists(os.path.join(work, f)):
-                os.symlink(os.path.join(src, f), os.path.join(work, f))
+        link_artifacts(src, work)
         base = os.path.join(work, "models", "centroid")
         if not os.path.exists(os.path.join(base, "sid_vocab.json")):
             sh("03_expand_vocab.py", "--out-dir", work, "--model", a.backbone, "--init", "centroid",

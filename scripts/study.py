@@ -493,12 +493,12 @@ def report(a, res, targets, popularity, cmd, figs=()):
           "Differences are paired over users: per user the metric is averaged over the variant's seeds, then users "
           "are resampled (2,000 bootstrap draws, 95% percentile interval).", ""]
     # --- claims
+    fewest = min(len(res[v]) for v in variants)
     md += ["## The papers' claims", "", "Verdict: reproduced when the 95% interval of (ours - baseline) lies above 0, "
            "not reproduced when it lies below 0, inconclusive when it contains 0; geometry rows use the stated "
            "threshold (reproduced at >= threshold, not reproduced at <= 0)."
-           + (f" **Provisional: {min(len(res[v]) for v in variants)} seed(s) for some variants.** The bootstrap "
-              "resamples users, not training runs; with fewer than 3 seeds a verdict can flip with the next seed."
-              if min(len(res[v]) for v in variants) < 3 else ""), "",
+           + (f" **Provisional: {fewest} seed(s) for some variants.** The bootstrap resamples users, not "
+              "training runs; with fewer than 3 seeds a verdict can flip with the next seed." if fewest < 3 else ""), "",
            "| claim | paper | ours | verdict | command |", "|---|---|---|---|---|"]
     md += [f"| {' | '.join(r)} |" for r in claims(res, pu, cmd.split(" --seeds")[0] + " --seeds 0,1,2")]
     # --- per variant

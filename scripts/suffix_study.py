@@ -20,23 +20,16 @@ CPU:  python scripts/suffix_study.py                 (3 configs x 2 seeds x 66 s
 import argparse
 import json
 import os
-import subprocess
-import sys
+import shutil
 import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARTIFACTS = ("dataset.pt", "item_emb.npy", "sids.npy", "centroids.pt", "rqvae.pt")
+from grounding_study import REPO, link_artifacts, sh, shared_artifacts   # same folder: the runner and the links
+
 CONFIGS = {"matched": ["--centroid-scale", "matched", "--suffix-rows", "centroid"],
            "level": ["--centroid-scale", "level", "--suffix-rows", "centroid"],
            "matched+random": ["--centroid-scale", "matched", "--suffix-rows", "random"]}
-
-
-def sh(*cmd):
-    print("+", " ".join(map(str, cmd)), flush=True)
-    subprocess.run([sys.executable, *map(str, cmd)], cwd=REPO, check=True,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def run_one(a, src, config, seed):
@@ -45,10 +38,7 @@ def run_one(a, src, config, seed):
     done = os.path.join(work, "curve.json")
     if os.path.exists(done):
         return json.load(open(done))
-    os.makedirs(work, exist_ok=True)
-    for f in ARTIFACTS:                                                # the shared 01/02 artifacts, linked
-        if not os.path.lexists(os.path.join(work, f)):
-            os.symlink(os.path.join(src, f), os.path.join(work, f))
+    link_artifacts(src, work)
     t0 = time.time()
     base, save = os.path.join(work, "models", "centroid"), os.path.join(work, "models", "centroid+sft")
     sh("03_expand_vocab.py", "--out-dir", work, "--model", a.backbone, "--init", "centroid", "--seed", seed,
@@ -63,8 +53,9 @@ def run_one(a, src, config, seed):
     with open(done + ".tmp", "w") as f:
         json.dump(out, f, indent=2)
     os.replace(done + ".tmp", done)
-    for path in (ckpt, base, save):                                   # ~2.7 GB of weights per run
-        subprocess.run(["rm", "-rf", path], check=True)
+    os.remove(ckpt)                                                   # ~2.7 GB of weights per run
+    shutil.rmtree(base)
+    shutil.rmtree(save)
     return out
 
 
@@ -102,10 +93,7 @@ def main():
     p.add_argument("--work-dir", default="runs/suffix")
     p.add_argument("--results-dir", default="results")
     a = p.parse_args()
-    src = os.path.join(REPO, "out", a.dataset)
-    missing = [f for f in ARTIFACTS if not os.path.exists(os.path.join(src, f))]
-    if missing:
-        sys.exit(f"error: {src} lacks {', '.join(missing)}; run 01_embed_items.py and 02_rqvae.py first")
+    src = shared_artifacts(a.dataset)
     t0 = time.time()
     runs = [run_one(a, src, c, s) for s in a.seeds.split(",") for c in a.configs.split(",")]
     text = report(a, runs) + (f"\n{sum(r['seconds'] for r in runs):.0f} s of runs (03 + 05, 2 CPU cores); "
