@@ -318,11 +318,20 @@ def collect(a, variants):
 
 def per_user(runs, targets, cold, key="topk"):
     """{metric: (U,) mean over seeds} for all users and {metric: (U_cold,)} for cold targets: the seeds pooled."""
-    ms = [ev.per_user_metrics(r[key], targets[:len(r[key])]) for r in runs if r[key] is not None]
+    rs = [r for r in runs if r[key] is not None]
+    ms = [ev.per_user_metrics(r[key], targets[:len(r[key])]) for r in rs]
     if not ms:
         return None
     allu = {k: np.mean([m[k] for m in ms], 0) for k in ms[0]}
-    return {"all": allu, "cold": {k: x[cold[:len(x)]] for k, x in allu.items()}, "seeds": len(ms)}
+    by_seed = {r["seed"]: {"all": {k: float(x.mean()) for k, x in m.items()},
+                           "cold": {k: float(x[cold[:len(x)]].mean()) for k, x in m.items()}} for r, m in zip(rs, ms)}
+    return {"all": allu, "cold": {k: x[cold[:len(x)]] for k, x in allu.items()}, "seeds": len(ms), "by_seed": by_seed}
+
+
+def seed_diffs(pa, pb, part, metric):
+    """Per seed both variants ran (same seed = same SFT example order): metric(a) - metric(b), means over users."""
+    return [pa["by_seed"][s][part][metric] - pb["by_seed"][s][part][metric]
+            for s in sorted(pa["by_seed"]) if s in pb["by_seed"]]
 
 
 def mean_std(xs, fmt="{:.4f}"):
@@ -451,8 +460,17 @@ def claim_row(res, pu, kind, a_, b_, what):
         d = boot(pu[a_][part][metric], pu[b_][part][metric])
         base = float(pu[b_][part][metric].mean()) if d[0] is not None else 0.0
         rel = f" ({100 * d[0] / base:+.1f}%)" if base > 0 else ""
-        return (f"{fmt_iv(d)}{rel}; {pu[a_]['seeds']} vs {pu[b_]['seeds']} seeds, {len(pu[a_][part][metric])} users",
-                verdict(d[1], d[2]))
+        sd = seed_diffs(pu[a_], pu[b_], part, metric)
+        iv = t_interval(sd)
+        users, seeds = verdict(d[1], d[2]), verdict(iv[1], iv[2])
+        # Two kinds of noise: which users are tested (bootstrap) and which training run (seeds). A verdict needs
+        # both intervals on the same side of 0; with one seed pair only the bootstrap exists (flagged provisional).
+        v = users if len(sd) < 2 or users == seeds else "inconclusive"
+        seed_txt = (f"; per seed pair {fmt_iv(iv)} (t 95%, {len(sd)} pairs: {', '.join(f'{x:+.4f}' for x in sd)})"
+                    if len(sd) >= 2 else "")
+        note = " (inside the seed spread)" if v != users else ""
+        return (f"{fmt_iv(d)}{rel}; {pu[a_]['seeds']} vs {pu[b_]['seeds']} seeds, {len(pu[a_][part][metric])} users"
+                f"{seed_txt}", v + note)
     if kind == "steps":
         thr, steps, d = convergence(res, a_, b_)
         iv = t_interval(d)
@@ -491,12 +509,15 @@ def report(a, res, targets, popularity, cmd, figs=()):
           f"{GROUND_STEPS} grounding steps; 06 beam 20 over all {len(targets)} test users, history excluded; cold "
           f"targets = seen <= {COLD_MAX} times in training ({int(cold.sum())} users).  ",
           "Differences are paired over users: per user the metric is averaged over the variant's seeds, then users "
-          "are resampled (2,000 bootstrap draws, 95% percentile interval).", ""]
+          "are resampled (2,000 bootstrap draws, 95% percentile interval). With >= 2 seeds per variant a second "
+          "interval covers the training runs: the 95% t interval of the per-seed differences (seed s of a minus "
+          "seed s of b, which saw the same SFT example order).", ""]
     # --- claims
     fewest = min(len(res[v]) for v in variants)
     md += ["## The papers' claims", "", "Verdict: reproduced when the 95% interval of (ours - baseline) lies above 0, "
-           "not reproduced when it lies below 0, inconclusive when it contains 0; geometry rows use the stated "
-           "threshold (reproduced at >= threshold, not reproduced at <= 0)."
+           "not reproduced when it lies below 0, inconclusive when it contains 0; with >= 2 seed pairs both intervals "
+           "(users and seeds) must agree, otherwise the difference is inside the seed spread: inconclusive. Geometry "
+           "rows use the stated threshold (reproduced at >= threshold, not reproduced at <= 0)."
            + (f" **Provisional: {fewest} seed(s) for some variants.** The bootstrap resamples users, not "
               "training runs; with fewer than 3 seeds a verdict can flip with the next seed." if fewest < 3 else ""), "",
            "| claim | paper | ours | verdict | command |", "|---|---|---|---|---|"]
@@ -523,10 +544,13 @@ def report(a, res, targets, popularity, cmd, figs=()):
                   + f" | {e0['cold_most_popular'][COLD]:.4f} | | | |")
     # --- paired differences
     md += ["", "## Paired differences (a - b; seeds pooled per user; 95% bootstrap over users)", "",
-           "| a | b | seeds a/b | " + " | ".join(n for _, n in METRICS) + " | cold R@10 |", "|---" * (len(METRICS) + 4) + "|"]
+           "| a | b | seeds a/b | " + " | ".join(n for _, n in METRICS) + " | cold R@10 | R@10 per seed pair (t 95%) |",
+           "|---" * (len(METRICS) + 5) + "|"]
     for x, y in pairs(variants):
         cells = [fmt_iv(boot(pu[x]["all"][k], pu[y]["all"][k])) for k, _ in METRICS]
         cells.append(fmt_iv(boot(pu[x]["cold"][COLD], pu[y]["cold"][COLD])))
+        sd = seed_diffs(pu[x], pu[y], "all", "recall@10")
+        cells.append(fmt_iv(t_interval(sd)) + f" ({len(sd)} pairs)" if len(sd) >= 2 else "-")
         md.append(f"| {x} | {y} | {pu[x]['seeds']}/{pu[y]['seeds']} | " + " | ".join(cells) + " |")
     ex = {v: per_user(res[v], targets, cold, "exact_topk") for v in variants}
     ex = {v: p for v, p in ex.items() if p}

@@ -82,6 +82,9 @@ def constructed(tmp_path):
         fake_run(a, "shuffled", s, range(300), FAST, {})                          # centroid - shuffled < 0
         fake_run(a, "mean+gti", s, range(100, 200), RANDOM, {"sft": {"erank": 10.0, "rsa": 0.3}})
     fake_run(a, "mean", 0, range(100), RANDOM, {"sft": {"erank": 2.0, "rsa": 0.25}})   # one seed only
+    for s, hits in enumerate((300, 40, 160)):     # rqk-centroid - rqk-random: +.55, -.15, +.10 over the seeds
+        fake_run(a, "rqk-random", s, range(80 + 20 * s), RANDOM, {})
+        fake_run(a, "rqk-centroid", s, range(hits), RANDOM, {})
     targets = np.arange(U)
     popularity = np.where(np.arange(U) % 4 == 0, 3, 100)                          # every 4th target is cold
     return a, study.collect(a, list(study.VARIANTS)), targets, popularity
@@ -119,6 +122,15 @@ def test_report_on_constructed_runs(constructed):
     assert len(claims) == 15                                                      # every claim of METHODS.md
     verdict = {k: r[3] for k, r in claims.items()}
     assert verdict["centroid vs random: Recall@5"] == "reproduced"
+    assert "per seed pair +0.2500 [" in claims["centroid vs random: Recall@5"][2]       # .30/.25/.20 agree
+    # pooled over seeds the users say +0.1667 with an interval above 0, but the seeds disagree (+.55, -.15, +.10)
+    rqk = claims["centroid vs random: Recall@5, RQ-KMeans SIDs (the paper's tokenizer)"]
+    d, lo, hi = map(float, re.findall(r"[+-]\d\.\d+", rqk[2])[:3])
+    assert d == pytest.approx(1 / 6, abs=1e-4) and lo > 0
+    assert "3 pairs: +0.5500, -0.1500, +0.1000" in rqk[2] and rqk[3] == "inconclusive (inside the seed spread)"
+    seed_col = diffs[("rqk-centroid", "rqk-random")][-1]                          # R@10 per seed pair
+    assert seed_col.startswith("+0.1667 [-") and seed_col.endswith("(3 pairs)")
+    assert diffs[("mean", "random")][-1] == "-"                                   # one seed pair: no t interval
     assert "(+100.0%)" in claims["centroid vs random: Recall@5"][2]
     assert verdict["shuffled centroids < centroid: Recall@5"] == "not reproduced"
     assert verdict["GTI vs mean: Recall@20"] == "inconclusive"                   # same mean, other users
