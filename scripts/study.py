@@ -325,7 +325,19 @@ def per_user(runs, targets, cold, key="topk"):
     allu = {k: np.mean([m[k] for m in ms], 0) for k in ms[0]}
     by_seed = {r["seed"]: {"all": {k: float(x.mean()) for k, x in m.items()},
                            "cold": {k: float(x[cold[:len(x)]].mean()) for k, x in m.items()}} for r, m in zip(rs, ms)}
-    return {"all": allu, "cold": {k: x[cold[:len(x)]] for k, x in allu.items()}, "seeds": len(ms), "by_seed": by_seed}
+    users = {r["seed"]: {"all": m, "cold": {k: x[cold[:len(x)]] for k, x in m.items()}} for r, m in zip(rs, ms)}
+    return {"all": allu, "cold": {k: x[cold[:len(x)]] for k, x in allu.items()}, "seeds": len(ms), "by_seed": by_seed,
+            "users_by_seed": users}
+
+
+def paired_users(pa, pb, part, metric):
+    """Per-user metric of a and b averaged over the seeds both ran (a 1-seed variant is paired with the same seed
+    of a 3-seed one, not with the others' average); all seeds of each when they share none. Returns x, y, #common."""
+    common = sorted(set(pa["users_by_seed"]) & set(pb["users_by_seed"]))
+    if not common:
+        return pa[part][metric], pb[part][metric], 0
+    avg = lambda p: np.mean([p["users_by_seed"][s][part][metric] for s in common], 0)
+    return avg(pa), avg(pb), len(common)
 
 
 def seed_diffs(pa, pb, part, metric):
@@ -457,8 +469,9 @@ def claim_row(res, pu, kind, a_, b_, what):
         part, metric = what.split(":") if ":" in what else ("all", what)
         if not (pu.get(a_) and pu.get(b_)):
             return "not run", "not run yet"
-        d = boot(pu[a_][part][metric], pu[b_][part][metric])
-        base = float(pu[b_][part][metric].mean()) if d[0] is not None else 0.0
+        x, y, nc = paired_users(pu[a_], pu[b_], part, metric)
+        d = boot(x, y)
+        base = float(y.mean()) if d[0] is not None else 0.0
         rel = f" ({100 * d[0] / base:+.1f}%)" if base > 0 else ""
         sd = seed_diffs(pu[a_], pu[b_], part, metric)
         iv = t_interval(sd)
@@ -469,7 +482,7 @@ def claim_row(res, pu, kind, a_, b_, what):
         seed_txt = (f"; per seed pair {fmt_iv(iv)} (t 95%, {len(sd)} pairs: {', '.join(f'{x:+.4f}' for x in sd)})"
                     if len(sd) >= 2 else "")
         note = " (inside the seed spread)" if v != users else ""
-        return (f"{fmt_iv(d)}{rel}; {pu[a_]['seeds']} vs {pu[b_]['seeds']} seeds, {len(pu[a_][part][metric])} users"
+        return (f"{fmt_iv(d)}{rel}; {pu[a_]['seeds']} vs {pu[b_]['seeds']} seeds ({nc} common), {len(x)} users"
                 f"{seed_txt}", v + note)
     if kind == "steps":
         thr, steps, d = convergence(res, a_, b_)
@@ -508,8 +521,8 @@ def report(a, res, targets, popularity, cmd, figs=()):
           f"Budget: 05's defaults (220 steps x 8, lr 1e-3, level softmax), validation every {EVAL_EVERY} steps; GTI "
           f"{GROUND_STEPS} grounding steps; 06 beam 20 over all {len(targets)} test users, history excluded; cold "
           f"targets = seen <= {COLD_MAX} times in training ({int(cold.sum())} users).  ",
-          "Differences are paired over users: per user the metric is averaged over the variant's seeds, then users "
-          "are resampled (2,000 bootstrap draws, 95% percentile interval). With >= 2 seeds per variant a second "
+          "Differences are paired over users: per user the metric is averaged over the seeds both variants ran, then "
+          "users are resampled (2,000 bootstrap draws, 95% percentile interval). With >= 2 seeds per variant a second "
           "interval covers the training runs: the 95% t interval of the per-seed differences (seed s of a minus "
           "seed s of b, which saw the same SFT example order).", ""]
     # --- claims
@@ -543,12 +556,12 @@ def report(a, res, targets, popularity, cmd, figs=()):
         md.append("| most popular | | | | | | " + " | ".join(f"{e0['most_popular'][k]:.4f}" for k, _ in METRICS)
                   + f" | {e0['cold_most_popular'][COLD]:.4f} | | | |")
     # --- paired differences
-    md += ["", "## Paired differences (a - b; seeds pooled per user; 95% bootstrap over users)", "",
+    md += ["", "## Paired differences (a - b; the seeds both ran pooled per user; 95% bootstrap over users)", "",
            "| a | b | seeds a/b | " + " | ".join(n for _, n in METRICS) + " | cold R@10 | R@10 per seed pair (t 95%) |",
            "|---" * (len(METRICS) + 5) + "|"]
     for x, y in pairs(variants):
-        cells = [fmt_iv(boot(pu[x]["all"][k], pu[y]["all"][k])) for k, _ in METRICS]
-        cells.append(fmt_iv(boot(pu[x]["cold"][COLD], pu[y]["cold"][COLD])))
+        cells = [fmt_iv(boot(*paired_users(pu[x], pu[y], "all", k)[:2])) for k, _ in METRICS]
+        cells.append(fmt_iv(boot(*paired_users(pu[x], pu[y], "cold", COLD)[:2])))
         sd = seed_diffs(pu[x], pu[y], "all", "recall@10")
         cells.append(fmt_iv(t_interval(sd)) + f" ({len(sd)} pairs)" if len(sd) >= 2 else "-")
         md.append(f"| {x} | {y} | {pu[x]['seeds']}/{pu[y]['seeds']} | " + " | ".join(cells) + " |")

@@ -131,6 +131,9 @@ def test_report_on_constructed_runs(constructed):
     seed_col = diffs[("rqk-centroid", "rqk-random")][-1]                          # R@10 per seed pair
     assert seed_col.startswith("+0.1667 [-") and seed_col.endswith("(3 pairs)")
     assert diffs[("mean", "random")][-1] == "-"                                   # one seed pair: no t interval
+    # mean ran seed 0 only (R@5 .25): paired with random's seed 0 (.20), not with random's 3-seed average (.25)
+    assert diffs[("mean", "random")][3].startswith("+0.0500 [")
+    assert "3 vs 1 seeds (1 common)" in claims["GTI vs mean: Recall@20"][2]
     assert "(+100.0%)" in claims["centroid vs random: Recall@5"][2]
     assert verdict["shuffled centroids < centroid: Recall@5"] == "not reproduced"
     assert verdict["GTI vs mean: Recall@20"] == "inconclusive"                   # same mean, other users
