@@ -13,8 +13,9 @@ runs/study/<dataset>/_tok_rqkmeans: 01's files linked, 02 --quantizer rqkmeans -
 
 Report (results/<dataset>.md + figures) from whatever runs have finished, with the seed count of every row:
 test Recall/NDCG (history excluded) and cold targets (seen <= 25 times in training), validation curves and steps
-to a validation loss, geometry after SFT, paired differences over users (seeds pooled per user, 95% bootstrap),
-and the papers' claims, each with a verdict computed from its interval.
+to a validation loss, geometry after SFT, paired differences over users (the seeds both variants ran pooled per
+user, 95% bootstrap) and over seeds (95% t interval of the per-seed differences), and the papers' claims, each with
+a verdict that needs both intervals to agree.
 
 Pieces (one seed of all 11 variants ~2.5 h on 2 CPU cores; a killed piece resumes where it stopped, rerun it):
     python scripts/study.py --seeds 0        (then --seeds 1, --seeds 2; `make study SEEDS=0`)
