@@ -318,16 +318,15 @@ def collect(a, variants):
 
 
 def per_user(runs, targets, cold, key="topk"):
-    """{metric: (U,) mean over seeds} for all users and {metric: (U_cold,)} for cold targets: the seeds pooled."""
+    """{metric: (U,) mean over seeds} for all users and {metric: (U_cold,)} for cold targets (the seeds pooled), and
+    the same per seed ("users_by_seed": {seed: {"all"|"cold": {metric: per-user array}}})."""
     rs = [r for r in runs if r[key] is not None]
     ms = [ev.per_user_metrics(r[key], targets[:len(r[key])]) for r in rs]
     if not ms:
         return None
     allu = {k: np.mean([m[k] for m in ms], 0) for k in ms[0]}
-    by_seed = {r["seed"]: {"all": {k: float(x.mean()) for k, x in m.items()},
-                           "cold": {k: float(x[cold[:len(x)]].mean()) for k, x in m.items()}} for r, m in zip(rs, ms)}
     users = {r["seed"]: {"all": m, "cold": {k: x[cold[:len(x)]] for k, x in m.items()}} for r, m in zip(rs, ms)}
-    return {"all": allu, "cold": {k: x[cold[:len(x)]] for k, x in allu.items()}, "seeds": len(ms), "by_seed": by_seed,
+    return {"all": allu, "cold": {k: x[cold[:len(x)]] for k, x in allu.items()}, "seeds": len(ms),
             "users_by_seed": users}
 
 
@@ -343,8 +342,8 @@ def paired_users(pa, pb, part, metric):
 
 def seed_diffs(pa, pb, part, metric):
     """Per seed both variants ran (same seed = same SFT example order): metric(a) - metric(b), means over users."""
-    return [pa["by_seed"][s][part][metric] - pb["by_seed"][s][part][metric]
-            for s in sorted(pa["by_seed"]) if s in pb["by_seed"]]
+    ua, ub = pa["users_by_seed"], pb["users_by_seed"]
+    return [float(ua[s][part][metric].mean() - ub[s][part][metric].mean()) for s in sorted(ua) if s in ub]
 
 
 def mean_std(xs, fmt="{:.4f}"):
@@ -543,8 +542,8 @@ def report(a, res, targets, popularity, cmd, figs=()):
            + f" | cold R@10 | best val loss | steps to val loss {thr:.3f} | h/run |", "|---" * (len(METRICS) + 10) + "|"]
     for v in variants:
         rs, d = res[v], VARIANTS[v]
-        seed_means = lambda k, c=False: [float(ev.per_user_metrics(r["topk"], targets[:len(r["topk"])])[k]
-                                               [cold[:len(r["topk"])] if c else slice(None)].mean()) for r in rs]
+        seed_means = lambda k, c=False: [float(pu[v]["users_by_seed"][r["seed"]]["cold" if c else "all"][k].mean())
+                                         for r in rs]
         reach = [steps_to(r["sft"]["val_curve"], thr) for r in rs if r["sft"]]
         md.append(f"| {v} | {d.tokenizer} | {d.init}{' ' + d.scale if d.scale else ''} | {'yes' if d.gti else ''} | "
                   f"{'yes' if d.aux else ''} | {len(rs)} ({','.join(str(r['seed']) for r in rs)}) | "
