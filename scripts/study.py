@@ -17,7 +17,7 @@ to a validation loss, geometry after SFT, paired differences over users (the see
 user, 95% bootstrap) and over seeds (95% t interval of the per-seed differences), and the papers' claims, each with
 a verdict that needs both intervals to agree.
 
-Pieces (one seed of all 11 variants ~2.5 h on 2 CPU cores; a killed piece resumes where it stopped, rerun it):
+Pieces (one seed of all 11 variants ~2.2 h on 2 CPU cores; a killed piece resumes where it stopped, rerun it):
     python scripts/study.py --seeds 0        (then --seeds 1, --seeds 2; `make study SEEDS=0`)
     python scripts/study.py --report-only    (tables + figures from the finished runs)
     python scripts/study.py --seeds 0,1,2 --dry-run     (the plan and its estimated CPU time)
@@ -80,7 +80,7 @@ def die(msg: str):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="ml-100k", help="01's --dataset (ml-100k | amazon-beauty)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds to run: one seed is one ~2.5 h piece")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds to run: one seed is one ~2.2 h piece")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
     p.add_argument("--exact", action="store_true", help="also 06 --search exact for seed 0 (~9 min per variant)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its CPU time estimate; run nothing")
@@ -570,7 +570,7 @@ def report(a, res, targets, popularity, cmd, figs=()):
     if ex:                                                             # --exact: does the search change a comparison?
         md += ["", "## Beam vs exact top-20 (seed 0): the same differences, exact search", "",
                "| a | b | " + " | ".join(n for _, n in METRICS) + " |", "|---" * (len(METRICS) + 2) + "|"]
-        md += [f"| {x} | {y} | " + " | ".join(fmt_iv(boot(ex[x]["all"][k], ex[y]["all"][k]))
+        md += [f"| {x} | {y} | " + " | ".join(fmt_iv(boot(*paired_users(ex[x], ex[y], "all", k)[:2]))
                                               for k, _ in METRICS) + " |" for x, y in pairs(list(ex))]
     # --- geometry
     md += ["", "## Geometry of the SID rows (07, all levels; mean +- std over seeds)", "",
