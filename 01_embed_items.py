@@ -39,14 +39,12 @@ import argparse
 import ast
 import csv
 import dataclasses
-import hashlib
 import html
 import importlib.util
 import inspect
 import json
 import os
 import random
-import shutil
 import sys
 import time
 import typing
@@ -371,11 +369,10 @@ def main():
     print(f"wrote {out_dir}/item_emb.npy, dataset.pt, 01_embed_items.json in {summary['seconds']} s")
 
 
-# ===================================================================================================
-# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
-# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
-# main() because Python looks names up when main() runs, not when it is defined.
-# ===================================================================================================
+# --------------------------------------------------------------------------------------------------
+# Helpers: the same text in every script that has them (tests/test_plumbing.py checks it);
+# no script imports another. Below main(): Python looks names up when main() runs.
+# --------------------------------------------------------------------------------------------------
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -465,66 +462,6 @@ def atomic_write(path: str, write):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def save_folder(dst: str, model, tok, files: dict):
-    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
-    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
-    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
-    tmp, old = f"{dst}.tmp", f"{dst}.old"
-    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
-        os.replace(old, dst)
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    for name, text in files.items():
-        with open(os.path.join(tmp, name), "w") as f:
-            f.write(text)
-    if os.path.exists(dst):
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
-# do (`hint`: which step makes it), never a traceback.
-def load_artifact(path: str, hint: str, read):
-    if not os.path.isfile(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return read(path)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
-
-
-def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
-    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
-
-
-def load_npy(path: str, hint: str) -> np.ndarray:
-    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
-
-
-def load_json(path: str, hint: str):
-    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
-
-
-def load_hf(folder: str, hint: str, dtype=torch.float32):
-    """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
-    try:
-        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    except Exception as e:
-        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
-
-
-def items_key(ds: dict) -> str:
-    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
-    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
-    return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ import shutil
 import sys
 import time
 import typing
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -262,11 +261,10 @@ def main():
     print(f"done in {time.time() - t0:.1f}s; summary -> {summary_path}")
 
 
-# ===================================================================================================
-# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
-# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
-# main() because Python looks names up when main() runs, not when it is defined.
-# ===================================================================================================
+# --------------------------------------------------------------------------------------------------
+# Helpers: the same text in every script that has them (tests/test_plumbing.py checks it);
+# no script imports another. Below main(): Python looks names up when main() runs.
+# --------------------------------------------------------------------------------------------------
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -320,22 +318,6 @@ def pick_device(name: str) -> torch.device:
     if name == "mps" and not torch.backends.mps.is_available():
         die("--device mps but MPS is not available; use --device cpu")
     return torch.device(name)
-
-
-def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
-    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
-    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
-      float32:  no autocast.
-      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
-      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
-                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
-                faster); float32 elsewhere."""
-    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    if name == "auto":
-        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
-    if name == "float32" or device.type == "mps":
-        return nullcontext(), "float32"
-    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
 
 
 def seed_everything(seed: int):
@@ -395,10 +377,6 @@ def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbi
 
 def load_npy(path: str, hint: str) -> np.ndarray:
     return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
-
-
-def load_json(path: str, hint: str):
-    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
 
 
 def load_hf(folder: str, hint: str, dtype=torch.float32):

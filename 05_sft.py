@@ -545,11 +545,10 @@ def main():
         dist.destroy_process_group()
 
 
-# ===================================================================================================
-# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
-# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
-# main() because Python looks names up when main() runs, not when it is defined.
-# ===================================================================================================
+# --------------------------------------------------------------------------------------------------
+# Helpers: the same text in every script that has them (tests/test_plumbing.py checks it);
+# no script imports another. Below main(): Python looks names up when main() runs.
+# --------------------------------------------------------------------------------------------------
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -674,10 +673,6 @@ def load_artifact(path: str, hint: str, read):
 
 def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
     return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
-
-
-def load_npy(path: str, hint: str) -> np.ndarray:
-    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
 
 
 def load_json(path: str, hint: str):

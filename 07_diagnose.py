@@ -29,16 +29,13 @@ shows erank 1.0 (collapsed), centroid init a high rsa_cent; item_emb purity is t
 import argparse
 import ast
 import dataclasses
-import hashlib
 import inspect
 import json
 import os
 import random
-import shutil
 import sys
 import time
 import typing
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -457,11 +454,10 @@ def main():
     print(f"wrote {save} and {len(figs)} figures in {summary['seconds']:.1f}s")
 
 
-# ===================================================================================================
-# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
-# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
-# main() because Python looks names up when main() runs, not when it is defined.
-# ===================================================================================================
+# --------------------------------------------------------------------------------------------------
+# Helpers: the same text in every script that has them (tests/test_plumbing.py checks it);
+# no script imports another. Below main(): Python looks names up when main() runs.
+# --------------------------------------------------------------------------------------------------
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -517,22 +513,6 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
-    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
-    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
-      float32:  no autocast.
-      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
-      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
-                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
-                faster); float32 elsewhere."""
-    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    if name == "auto":
-        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
-    if name == "float32" or device.type == "mps":
-        return nullcontext(), "float32"
-    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
-
-
 def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed)
@@ -551,26 +531,6 @@ def atomic_write(path: str, write):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def save_folder(dst: str, model, tok, files: dict):
-    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
-    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
-    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
-    tmp, old = f"{dst}.tmp", f"{dst}.old"
-    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
-        os.replace(old, dst)
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    for name, text in files.items():
-        with open(os.path.join(tmp, name), "w") as f:
-            f.write(text)
-    if os.path.exists(dst):
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
@@ -594,23 +554,6 @@ def load_npy(path: str, hint: str) -> np.ndarray:
 
 def load_json(path: str, hint: str):
     return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
-
-
-def load_hf(folder: str, hint: str, dtype=torch.float32):
-    """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
-    try:
-        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    except Exception as e:
-        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
-
-
-def items_key(ds: dict) -> str:
-    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
-    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
-    return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

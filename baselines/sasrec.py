@@ -42,17 +42,14 @@ same numbers on CPU (CUDA kernels may differ slightly).
 import argparse
 import ast
 import dataclasses
-import hashlib
 import importlib.util
 import inspect
 import json
 import os
 import random
-import shutil
 import sys
 import time
 import typing
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -163,7 +160,7 @@ class SASRec(nn.Module):
         return h @ self.item.weight[1:].T
 
 
-def left_pad(rows, max_len: int) -> torch.Tensor:
+def left_pad_items(rows, max_len: int) -> torch.Tensor:
     """Lists of item indices -> (B, max_len) LongTensor of index + 1, the last max_len items, left-padded with 0."""
     out = torch.zeros(len(rows), max_len, dtype=torch.long)
     for b, r in enumerate(rows):
@@ -183,7 +180,7 @@ def train_windows(train, max_len: int):
             inputs.append(s[start:end])
             targets.append(s[start + 1:end + 1])
             end = start
-    return left_pad(inputs, max_len), left_pad(targets, max_len) - 1   # targets: -1 = padding (ignored)
+    return left_pad_items(inputs, max_len), left_pad_items(targets, max_len) - 1   # targets: -1 = padding (ignored)
 
 
 @torch.no_grad()
@@ -195,10 +192,10 @@ def rank(model, histories, max_len: int, k: int, device, batch: int, exclude: bo
     out = []
     for i in range(0, len(histories), batch):
         hist = histories[i:i + batch]
-        scores = model.logits(model(left_pad(hist, max_len).to(device))[:, -1])      # (B, N)
+        scores = model.logits(model(left_pad_items(hist, max_len).to(device))[:, -1])      # (B, N)
         if exclude:
             seen = torch.zeros(len(hist), n + 1, dtype=torch.bool, device=device)
-            seen.scatter_(1, left_pad(hist, max(1, max(map(len, hist)))).to(device), True)
+            seen.scatter_(1, left_pad_items(hist, max(1, max(map(len, hist)))).to(device), True)
             scores = scores.masked_fill(seen[:, 1:], float("-inf"))
         val, idx = scores.topk(min(k, n), dim=1)
         out.append(torch.where(val == float("-inf"), -1, idx).cpu())
@@ -299,16 +296,10 @@ def main():
     print(f"wrote {os.path.join(save_dir, 'eval_test.json')}  ({time.time() - t0:.0f}s)")
 
 
-# ===================================================================================================
-# Shared plumbing: byte-identical in the seven numbered scripts and baselines/sasrec.py (tests/test_plumbing.py
-# checks it). Edit it in one script, then copy it to the others; no script imports another. It sits below
-# main() because Python looks names up when main() runs, not when it is defined.
-# ===================================================================================================
-os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
+# --------------------------------------------------------------------------------------------------
+# Helpers: the same text in every script that has them (tests/test_plumbing.py checks it);
+# no script imports another. Below main(): Python looks names up when main() runs.
+# --------------------------------------------------------------------------------------------------
 def die(msg: str):
     """Bad input ends the run with one clear line on stderr and exit status 1."""
     sys.exit(f"error: {msg}")
@@ -359,22 +350,6 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
-    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
-    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
-      float32:  no autocast.
-      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
-      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
-                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
-                faster); float32 elsewhere."""
-    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    if name == "auto":
-        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
-    if name == "float32" or device.type == "mps":
-        return nullcontext(), "float32"
-    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
-
-
 def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed)
@@ -395,26 +370,6 @@ def atomic_write(path: str, write):
             os.remove(tmp)
 
 
-def save_folder(dst: str, model, tok, files: dict):
-    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
-    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
-    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
-    tmp, old = f"{dst}.tmp", f"{dst}.old"
-    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
-        os.replace(old, dst)
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    for name, text in files.items():
-        with open(os.path.join(tmp, name), "w") as f:
-            f.write(text)
-    if os.path.exists(dst):
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 # Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
 # do (`hint`: which step makes it), never a traceback.
 def load_artifact(path: str, hint: str, read):
@@ -428,31 +383,6 @@ def load_artifact(path: str, hint: str, read):
 
 def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
     return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
-
-
-def load_npy(path: str, hint: str) -> np.ndarray:
-    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
-
-
-def load_json(path: str, hint: str):
-    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
-
-
-def load_hf(folder: str, hint: str, dtype=torch.float32):
-    """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
-    try:
-        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    except Exception as e:
-        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
-
-
-def items_key(ds: dict) -> str:
-    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
-    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
-    return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

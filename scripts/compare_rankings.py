@@ -18,6 +18,14 @@ ev = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ev)                  # 06's metrics and bootstrap (not a numbered step)
 
 
+def load(path, hint, read):
+    """One line naming the file and what to do, never a traceback."""
+    try:
+        return read(path)
+    except Exception as e:
+        ev.die(f"{path}: {'not found' if not os.path.isfile(path) else type(e).__name__}; {hint}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("a")
@@ -28,9 +36,9 @@ def main():
     args = p.parse_args()
     na, nb = args.names.split(",")
     out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(args.a))))
-    A = ev.load_npy(args.a, "run 06_eval.py first")
-    B = ev.load_npy(args.b, "run 06_eval.py first")
-    data = ev.load_pt(os.path.join(out_dir, "dataset.pt"), "pass --out-dir (the folder of 01's dataset.pt)")
+    A, B = (load(f, "run 06_eval.py first", lambda p: np.load(p, allow_pickle=False)) for f in (args.a, args.b))
+    data = load(os.path.join(out_dir, "dataset.pt"), "pass --out-dir (the folder of 01's dataset.pt)",
+                lambda p: torch.load(p, map_location="cpu", weights_only=True))
     if A.shape != B.shape:
         ev.die(f"{args.a} {A.shape} and {args.b} {B.shape} rank different users or lengths")
     t = data[args.split][:len(A)].numpy()
