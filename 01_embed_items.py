@@ -389,25 +389,25 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
-    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
-    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
+    """The CLI generated from Args: help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values, and a bound Annotated[int, ">= 1"] checked here."""
+    body = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    hints = typing.get_type_hints(Args, include_extras=True)
     p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
     bounds = {}
     for f in dataclasses.fields(Args):
-        flag, h, t = "--" + f.name.replace("_", "-"), docs.get(f.name, ""), hints[f.name]
+        flag, t, kw = "--" + f.name.replace("_", "-"), hints[f.name], {"default": f.default}
         if typing.get_origin(t) is Annotated:
             t, bounds[f.name] = typing.get_args(t)[:2]
         if t is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+            kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(t) is Literal:
-            p.add_argument(flag, choices=typing.get_args(t), default=f.default, help=f"{h} (default: {f.default})")
+            kw["choices"] = typing.get_args(t)
         else:
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+            kw["type"] = t
+        p.add_argument(flag, help=f"{docs.get(f.name, '')} (default: {f.default})", **kw)
     args = Args(**vars(p.parse_args()))
     for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
         op, limit = bound.split()
@@ -418,9 +418,10 @@ def parse_args() -> Args:
 
 
 def pick_device(name: str) -> torch.device:
-    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line, not a traceback."""
+    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        mps = torch.backends.mps.is_available()
+        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         die("--device cuda but CUDA is not available; use --device cpu")
     if name == "mps" and not torch.backends.mps.is_available():
@@ -429,19 +430,22 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
-    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
-    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
+    """The one dtype rule: weights, optimizer state and softmaxes stay fp32; only the matmuls may
+    run in bf16 (autocast). Returns (autocast context, a note the script prints).
       float32:  no autocast.
-      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
-      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
-                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
-                faster); float32 elsewhere."""
-    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+      bfloat16: bf16 autocast on CUDA and CPU (emulated and slower without bf16 instructions);
+                fp32 on MPS.
+      auto:     bf16 on CUDA, and on CPUs with native bf16 (AVX512-BF16 / AMX) in the steps where it
+                measured faster (cpu_bf16_pays; docs/design.md); float32 elsewhere."""
+    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported",
+                                                  lambda: False)()
     if name == "auto":
-        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
+        fast = device.type == "cuda" or (native_cpu and cpu_bf16_pays)
+        name = "bfloat16" if fast else "float32"
     if name == "float32" or device.type == "mps":
         return nullcontext(), "float32"
-    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
+    note = f"bf16 autocast on {device.type} (fp32 weights)"
+    return torch.autocast(device.type, dtype=torch.bfloat16), note
 
 
 def seed_everything(seed: int):
@@ -453,7 +457,7 @@ def seed_everything(seed: int):
 def atomic_write(path: str, write):
     """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
     torch:  atomic_write(p, lambda t: torch.save(obj, t))
-    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))       (np.save adds .npy to a str path)
+    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (a str path would get .npy)
     json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
     tmp = f"{path}.tmp{os.getpid()}"
     try:

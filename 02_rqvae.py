@@ -415,25 +415,25 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
-    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
-    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
+    """The CLI generated from Args: help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values, and a bound Annotated[int, ">= 1"] checked here."""
+    body = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    hints = typing.get_type_hints(Args, include_extras=True)
     p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
     bounds = {}
     for f in dataclasses.fields(Args):
-        flag, h, t = "--" + f.name.replace("_", "-"), docs.get(f.name, ""), hints[f.name]
+        flag, t, kw = "--" + f.name.replace("_", "-"), hints[f.name], {"default": f.default}
         if typing.get_origin(t) is Annotated:
             t, bounds[f.name] = typing.get_args(t)[:2]
         if t is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+            kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(t) is Literal:
-            p.add_argument(flag, choices=typing.get_args(t), default=f.default, help=f"{h} (default: {f.default})")
+            kw["choices"] = typing.get_args(t)
         else:
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+            kw["type"] = t
+        p.add_argument(flag, help=f"{docs.get(f.name, '')} (default: {f.default})", **kw)
     args = Args(**vars(p.parse_args()))
     for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
         op, limit = bound.split()
@@ -444,9 +444,10 @@ def parse_args() -> Args:
 
 
 def pick_device(name: str) -> torch.device:
-    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line, not a traceback."""
+    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        mps = torch.backends.mps.is_available()
+        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         die("--device cuda but CUDA is not available; use --device cpu")
     if name == "mps" and not torch.backends.mps.is_available():
@@ -463,7 +464,7 @@ def seed_everything(seed: int):
 def atomic_write(path: str, write):
     """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
     torch:  atomic_write(p, lambda t: torch.save(obj, t))
-    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))       (np.save adds .npy to a str path)
+    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (a str path would get .npy)
     json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
@@ -474,8 +475,8 @@ def atomic_write(path: str, write):
             os.remove(tmp)
 
 
-# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
-# do (`hint`: which step makes it), never a traceback.
+# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file
+# and what to do (`hint`: which step makes it), never a traceback.
 def load_artifact(path: str, hint: str, read):
     if not os.path.isfile(path):
         die(f"{path} not found; {hint}")
@@ -485,7 +486,7 @@ def load_artifact(path: str, hint: str, read):
         die(f"{path} is unreadable ({type(e).__name__}); {hint}")
 
 
-def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
+def load_pt(path: str, hint: str):           # tensors, lists, dicts; never pickled objects
     return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
 
 

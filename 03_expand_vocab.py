@@ -281,25 +281,25 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
-    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
-    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
+    """The CLI generated from Args: help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values, and a bound Annotated[int, ">= 1"] checked here."""
+    body = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    hints = typing.get_type_hints(Args, include_extras=True)
     p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
     bounds = {}
     for f in dataclasses.fields(Args):
-        flag, h, t = "--" + f.name.replace("_", "-"), docs.get(f.name, ""), hints[f.name]
+        flag, t, kw = "--" + f.name.replace("_", "-"), hints[f.name], {"default": f.default}
         if typing.get_origin(t) is Annotated:
             t, bounds[f.name] = typing.get_args(t)[:2]
         if t is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+            kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(t) is Literal:
-            p.add_argument(flag, choices=typing.get_args(t), default=f.default, help=f"{h} (default: {f.default})")
+            kw["choices"] = typing.get_args(t)
         else:
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+            kw["type"] = t
+        p.add_argument(flag, help=f"{docs.get(f.name, '')} (default: {f.default})", **kw)
     args = Args(**vars(p.parse_args()))
     for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
         op, limit = bound.split()
@@ -310,9 +310,10 @@ def parse_args() -> Args:
 
 
 def pick_device(name: str) -> torch.device:
-    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line, not a traceback."""
+    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        mps = torch.backends.mps.is_available()
+        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         die("--device cuda but CUDA is not available; use --device cpu")
     if name == "mps" and not torch.backends.mps.is_available():
@@ -329,7 +330,7 @@ def seed_everything(seed: int):
 def atomic_write(path: str, write):
     """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
     torch:  atomic_write(p, lambda t: torch.save(obj, t))
-    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))       (np.save adds .npy to a str path)
+    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (a str path would get .npy)
     json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
@@ -341,11 +342,11 @@ def atomic_write(path: str, write):
 
 
 def save_folder(dst: str, model, tok, files: dict):
-    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
-    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
-    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
+    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then
+    swapped in. Safe against a kill at any line: before the swap <dst> is whole; between the two
+    renames only <dst>.old is (the next call renames it back first); stale .tmp/.old are cleared."""
     tmp, old = f"{dst}.tmp", f"{dst}.old"
-    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
+    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the renames
         os.replace(old, dst)
     shutil.rmtree(old, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -360,8 +361,8 @@ def save_folder(dst: str, model, tok, files: dict):
     shutil.rmtree(old, ignore_errors=True)
 
 
-# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
-# do (`hint`: which step makes it), never a traceback.
+# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file
+# and what to do (`hint`: which step makes it), never a traceback.
 def load_artifact(path: str, hint: str, read):
     if not os.path.isfile(path):
         die(f"{path} not found; {hint}")
@@ -371,7 +372,7 @@ def load_artifact(path: str, hint: str, read):
         die(f"{path} is unreadable ({type(e).__name__}); {hint}")
 
 
-def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
+def load_pt(path: str, hint: str):           # tensors, lists, dicts; never pickled objects
     return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
 
 
@@ -383,16 +384,18 @@ def load_hf(folder: str, hint: str, dtype=torch.float32):
     """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
+    hf_logging.disable_progress_bar()                          # stderr stays one line on bad input
     try:
-        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(folder)
+        return tok, AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     except Exception as e:
-        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
+        why = "not found" if not os.path.exists(folder) else f"unreadable ({type(e).__name__})"
+        die(f"{folder}: {why}; {hint}")
 
 
 def items_key(ds: dict) -> str:
-    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
-    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
+    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into
+    sid_vocab.json, so a model folder knows which dataset its SIDs index; 04-06 refuse another."""
     return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 

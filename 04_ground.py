@@ -185,32 +185,38 @@ def grounding_accuracy(model, pairs, level_ids, pad_id, device, ctx, bs=32):
 
 
 def load_sid_model(model_dir: str, out_dir: str, device):
-    """A folder made by 03, 04 or 05 (HF model + tokenizer + sid_vocab.json [+ sft_config.json]) and the
-    dataset.pt whose items its SIDs name, checked against each other (the same function in 04, 05 and 06).
-    Returns the fp32 model on `device`, tokenizer, sid_vocab, dataset, codes (N, L+1) every item's SID as
-    codes, item_tok (N, L+1) the same as token ids, and sft_config.json ({} when absent)."""
-    path, hint = os.path.join(model_dir, "sid_vocab.json"), "use a folder made by 03_expand_vocab.py (or 04/05)"
+    """A folder made by 03, 04 or 05 (HF model + tokenizer + sid_vocab.json [+ sft_config.json])
+    and the dataset.pt whose items its SIDs name, checked against each other. Returns the fp32
+    model on `device`, tokenizer, sid_vocab, dataset, codes (N, L+1) every item's SID as codes,
+    item_tok (N, L+1) the same as token ids, and sft_config.json ({} when absent)."""
+    path = os.path.join(model_dir, "sid_vocab.json")
+    hint = "use a folder made by 03_expand_vocab.py (or 04/05)"
     vocab = load_json(path, hint)
-    data = load_pt(os.path.join(out_dir, "dataset.pt"), "run 01_embed_items.py first (or pass --out-dir)")
-    if not isinstance(data, dict) or not {"item_ids", "texts", "sequences", "train", "valid", "test",
-                                          "popularity"} <= data.keys():
-        die(f"{out_dir}/dataset.pt lacks the fields 01_embed_items.py writes; rerun it (or pass --out-dir)")
+    data = load_pt(os.path.join(out_dir, "dataset.pt"),
+                   "run 01_embed_items.py first (or pass --out-dir)")
+    fields = {"item_ids", "texts", "sequences", "train", "valid", "test", "popularity"}
+    if not isinstance(data, dict) or not fields <= data.keys():
+        die(f"{out_dir}/dataset.pt lacks the fields 01_embed_items.py writes; "
+            "rerun it (or pass --out-dir)")
     try:
-        codes = np.array(vocab["item_codes"], dtype=np.int64)                        # (N, L+1)
-        item_tok = torch.tensor(vocab["item_token_ids"], dtype=torch.long)           # (N, L+1)
-        names = [f"<{vocab['level_names'][l]}_{c}>" for row in codes.tolist() for l, c in enumerate(row)]
+        codes = np.array(vocab["item_codes"], dtype=np.int64)                    # (N, L+1)
+        item_tok = torch.tensor(vocab["item_token_ids"], dtype=torch.long)       # (N, L+1)
+        names = [f"<{vocab['level_names'][l]}_{c}>" for row in codes.tolist()
+                 for l, c in enumerate(row)]
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        die(f"{path} lacks what 03_expand_vocab.py writes ({type(e).__name__}: {e}); rebuild the folder with 03")
+        die(f"{path} lacks what 03_expand_vocab.py writes ({type(e).__name__}: {e}); "
+            "rebuild the folder with 03")
     if vocab.get("items_key") != items_key(data) or codes.shape != item_tok.shape:
-        die(f"{path} was built for another dataset than {out_dir}/dataset.pt ({len(codes)} items vs "
-            f"{len(data['item_ids'])}, or other ids/texts); rerun 03_expand_vocab.py --out-dir {out_dir} "
-            "or pass --out-dir")
+        die(f"{path} was built for another dataset than {out_dir}/dataset.pt ({len(codes)} items "
+            f"vs {len(data['item_ids'])}, or other ids/texts); rerun 03_expand_vocab.py "
+            f"--out-dir {out_dir} or pass --out-dir")
     tok, model = load_hf(model_dir, hint)
     if tok.convert_ids_to_tokens(item_tok.flatten().tolist()) != names:
         die(f"{model_dir}: the tokenizer does not hold the SID tokens listed in sid_vocab.json; "
             "rebuild the folder with 03_expand_vocab.py")
     if model.get_input_embeddings().num_embeddings <= int(item_tok.max()):
-        die(f"{model_dir}: embedding matrix smaller than the SID token ids; rebuild it with 03_expand_vocab.py")
+        die(f"{model_dir}: embedding matrix smaller than the SID token ids; "
+            "rebuild it with 03_expand_vocab.py")
     cfg_path = os.path.join(model_dir, "sft_config.json")
     sft_cfg = load_json(cfg_path, "rerun 05_sft.py") if os.path.exists(cfg_path) else {}
     return model.to(device).eval(), tok, vocab, data, codes, item_tok, sft_cfg
@@ -350,25 +356,25 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args() -> Args:
-    """argparse over dataclasses.fields(Args): help = the docstring under each field, --flag/--no-flag for a
-    bool, choices = a Literal's values (--help lists them), and a bound such as Annotated[int, ">= 1"] is
-    checked here, so `--batch-size 0` is one line instead of a traceback or an empty run."""
-    src = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(src, src[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    hints = typing.get_type_hints(Args, include_extras=True)           # the annotations as objects
+    """The CLI generated from Args: help = the docstring under each field, --flag/--no-flag for a
+    bool, choices = a Literal's values, and a bound Annotated[int, ">= 1"] checked here."""
+    body = ast.parse(inspect.getsource(Args)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    hints = typing.get_type_hints(Args, include_extras=True)
     p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
     bounds = {}
     for f in dataclasses.fields(Args):
-        flag, h, t = "--" + f.name.replace("_", "-"), docs.get(f.name, ""), hints[f.name]
+        flag, t, kw = "--" + f.name.replace("_", "-"), hints[f.name], {"default": f.default}
         if typing.get_origin(t) is Annotated:
             t, bounds[f.name] = typing.get_args(t)[:2]
         if t is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+            kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(t) is Literal:
-            p.add_argument(flag, choices=typing.get_args(t), default=f.default, help=f"{h} (default: {f.default})")
+            kw["choices"] = typing.get_args(t)
         else:
-            p.add_argument(flag, type=t, default=f.default, help=f"{h} (default: {f.default})")
+            kw["type"] = t
+        p.add_argument(flag, help=f"{docs.get(f.name, '')} (default: {f.default})", **kw)
     args = Args(**vars(p.parse_args()))
     for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
         op, limit = bound.split()
@@ -379,9 +385,10 @@ def parse_args() -> Args:
 
 
 def pick_device(name: str) -> torch.device:
-    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line, not a traceback."""
+    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        mps = torch.backends.mps.is_available()
+        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         die("--device cuda but CUDA is not available; use --device cpu")
     if name == "mps" and not torch.backends.mps.is_available():
@@ -390,19 +397,22 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
-    """The one dtype rule of every script with --dtype: weights, optimizer state and softmaxes stay fp32;
-    only the matmuls may run in bf16 (autocast). Returns (autocast context, a note the script prints).
+    """The one dtype rule: weights, optimizer state and softmaxes stay fp32; only the matmuls may
+    run in bf16 (autocast). Returns (autocast context, a note the script prints).
       float32:  no autocast.
-      bfloat16: bf16 autocast on CUDA and CPU (emulated, slower, on CPUs without bf16 instructions); MPS: fp32.
-      auto:     bf16 autocast where it is fast: CUDA, and CPUs with native bf16 (AVX512-BF16 / AMX) in the
-                steps where it measured faster (cpu_bf16_pays: a training step of SmolLM2-135M ran 1.7x
-                faster); float32 elsewhere."""
-    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+      bfloat16: bf16 autocast on CUDA and CPU (emulated and slower without bf16 instructions);
+                fp32 on MPS.
+      auto:     bf16 on CUDA, and on CPUs with native bf16 (AVX512-BF16 / AMX) in the steps where it
+                measured faster (cpu_bf16_pays; docs/design.md); float32 elsewhere."""
+    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported",
+                                                  lambda: False)()
     if name == "auto":
-        name = "bfloat16" if device.type == "cuda" or (native_cpu and cpu_bf16_pays) else "float32"
+        fast = device.type == "cuda" or (native_cpu and cpu_bf16_pays)
+        name = "bfloat16" if fast else "float32"
     if name == "float32" or device.type == "mps":
         return nullcontext(), "float32"
-    return torch.autocast(device.type, dtype=torch.bfloat16), f"bf16 autocast on {device.type} (fp32 weights)"
+    note = f"bf16 autocast on {device.type} (fp32 weights)"
+    return torch.autocast(device.type, dtype=torch.bfloat16), note
 
 
 def seed_everything(seed: int):
@@ -412,11 +422,11 @@ def seed_everything(seed: int):
 
 
 def save_folder(dst: str, model, tok, files: dict):
-    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped in.
-    Safe against a kill at any line: before the swap <dst> is whole; between the two renames only <dst>.old
-    is (the next call renames it back first); stale <dst>.tmp / <dst>.old are cleared."""
+    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then
+    swapped in. Safe against a kill at any line: before the swap <dst> is whole; between the two
+    renames only <dst>.old is (the next call renames it back first); stale .tmp/.old are cleared."""
     tmp, old = f"{dst}.tmp", f"{dst}.old"
-    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the two renames
+    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the renames
         os.replace(old, dst)
     shutil.rmtree(old, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -431,8 +441,8 @@ def save_folder(dst: str, model, tok, files: dict):
     shutil.rmtree(old, ignore_errors=True)
 
 
-# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file and what to
-# do (`hint`: which step makes it), never a traceback.
+# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file
+# and what to do (`hint`: which step makes it), never a traceback.
 def load_artifact(path: str, hint: str, read):
     if not os.path.isfile(path):
         die(f"{path} not found; {hint}")
@@ -442,7 +452,7 @@ def load_artifact(path: str, hint: str, read):
         die(f"{path} is unreadable ({type(e).__name__}); {hint}")
 
 
-def load_pt(path: str, hint: str):           # tensors, lists, dicts; never arbitrary pickled objects
+def load_pt(path: str, hint: str):           # tensors, lists, dicts; never pickled objects
     return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
 
 
@@ -454,16 +464,18 @@ def load_hf(folder: str, hint: str, dtype=torch.float32):
     """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()                                   # stderr stays one line on bad input
+    hf_logging.disable_progress_bar()                          # stderr stays one line on bad input
     try:
-        return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(folder)
+        return tok, AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     except Exception as e:
-        die(f"{folder}: {'not found' if not os.path.exists(folder) else f'unreadable ({type(e).__name__})'}; {hint}")
+        why = "not found" if not os.path.exists(folder) else f"unreadable ({type(e).__name__})"
+        die(f"{folder}: {why}; {hint}")
 
 
 def items_key(ds: dict) -> str:
-    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into sid_vocab.json, so a
-    model folder knows which dataset its SIDs index, and 04-06 refuse another one."""
+    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into
+    sid_vocab.json, so a model folder knows which dataset its SIDs index; 04-06 refuse another."""
     return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
