@@ -65,7 +65,7 @@ bench-sft: setup
 clean:
 	rm -rf out
 
-# The reproduction study (issue 12): 11 init variants (8 + the RQ-KMeans tokenizer axis) x seeds through
+# The study: 11 init variants (8 + the RQ-KMeans tokenizer axis) x seeds through
 # 03 -> (04) -> 05 -> 07 -> 06 at `make run`'s budget, then results/$(DATASET).md (claims table) + figures.
 # One seed is one piece of ~2.2 h on 2 CPU cores: `make study SEEDS=0`, then SEEDS=1, SEEDS=2. A killed piece
 # resumes when rerun (finished steps are skipped, 05 continues from its last validation). Every piece ends with

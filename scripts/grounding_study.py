@@ -1,4 +1,4 @@
-"""Does GTI grounding erode centroid geometry, or does a too-large learning rate? (issue 12, 04's study)
+"""Does GTI grounding erode centroid geometry, or does a too-large learning rate? (04's study)
 
 At lr 1e-2, Adam moves each coordinate of a new row by up to ~lr per step: for plain-scale centroid rows
 (spread ~0.1-1 per coordinate after the mean shift) that is the whole spread within a few steps, so

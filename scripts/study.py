@@ -1,5 +1,5 @@
-"""The reproduction study (issue 12): every SID-token init variant through 03 -> [04] -> 05 -> 06 at `make run`'s
-budget, >= 3 seeds, and a claim-by-claim table against the two papers (docs: METHODS.md).
+"""The study: every SID-token init variant through 03 -> [04] -> 05 -> 06 at `make run`'s budget, >= 3 seeds,
+and a claim-by-claim table against the two papers (docs/papers.md).
 
 One run = one variant x one seed, in runs/study/<dataset>/<variant>/seed<s>/ (01/02 artifacts linked in):
     03_expand_vocab.py --init <init> [--centroid-scale <scale>] --seed s    -> 07 (geometry at init)
@@ -427,7 +427,7 @@ def pairs(variants):
     return [p for p in dict.fromkeys(out) if p[0] in variants and p[1] in variants]
 
 
-# The papers' claims (METHODS.md), in its order. paired: a - b over users (metric; "cold:" = cold targets only);
+# The papers' claims (docs/papers.md), in its order. paired: a - b over users (metric; "cold:" = cold targets only);
 # steps: SFT steps to the same validation loss, b - a per seed; geometry: a 07 number after SFT (or at init),
 # effect = a - b, or 1 - a / b for "ratio", judged by a plain threshold.
 CLAIMS = [  # claim, paper's number, kind, a, b, what

@@ -180,7 +180,7 @@ def test_broken_sid_vocab_is_one_line_in_every_reader(setup, tmp_path):
     err = assert_one_line_error(run("06_eval.py", "--out-dir", out, "--model", bad, check=False))
     assert f"{bad}: unreadable" in err, err
     vocab = json.load(open(os.path.join(model_dir, "sid_vocab.json")))
-    del vocab["item_codes"]                                                        # a folder from before issue 10
+    del vocab["item_codes"]                                                        # a folder without item codes
     json.dump(vocab, open(os.path.join(bad, "sid_vocab.json"), "w"))
     err = assert_one_line_error(run("06_eval.py", "--out-dir", out, "--model", bad, check=False))
     assert "item_codes" in err and "03" in err

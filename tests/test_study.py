@@ -119,7 +119,7 @@ def test_report_on_constructed_runs(constructed):
     assert d == 0.25 and 0 < lo < d < hi                                          # R@5 +0.25 [lo, hi]
 
     claims = {r[0]: r for r in table(md, "The papers' claims")}
-    assert len(claims) == 15                                                      # every claim of METHODS.md
+    assert len(claims) == 15                                                      # every claim of docs/papers.md
     verdict = {k: r[3] for k, r in claims.items()}
     assert verdict["centroid vs random: Recall@5"] == "reproduced"
     assert "per seed pair +0.2500 [" in claims["centroid vs random: Recall@5"][2]       # .30/.25/.20 agree

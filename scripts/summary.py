@@ -1,0 +1,98 @@
+"""What `make run` measured, in one page: <out-dir>/summary.md from the JSON files the steps wrote.
+
+    python scripts/summary.py --out-dir out/ml-100k --model out/ml-100k/models/centroid+gti+sft
+
+Reads 01-07's JSON summaries (and baselines/sasrec.py's); writes <out-dir>/summary.md: 06's test tables
+under both protocols (model, most popular, SASRec; cold targets), model - most popular with its paired
+bootstrap interval, 05's validation curve, and the time of each step. Nothing is typed by hand: the
+README's quick-start numbers and results/<dataset>_make_run.md are copies of this file.
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+METRICS = ["recall@1", "recall@5", "recall@10", "recall@20", "ndcg@5", "ndcg@10", "ndcg@20"]
+
+
+def load(path, hint):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {path}: {'not found' if not os.path.exists(path) else type(e).__name__}; {hint}")
+
+
+def table(ev):
+    cols = [m for m in METRICS if m in ev["model"]]
+    rows = [("model (all, n={})".format(ev["users"]), ev["model"]), ("most popular", ev["most_popular"])]
+    rows += [("SASRec", ev["sasrec"])] if "sasrec" in ev else []
+    if ev.get("cold_users"):
+        cold = f"cold: test item seen <= {ev['cold_max']} times, n={ev['cold_users']}"
+        rows += [(f"model ({cold})", ev["cold_model"]), ("most popular (cold)", ev["cold_most_popular"])]
+        rows += [("SASRec (cold)", ev["cold_sasrec"])] if "cold_sasrec" in ev else []
+    out = ["| | " + " | ".join(c.replace("recall", "Recall").replace("ndcg", "NDCG") for c in cols) + " |",
+           "|---" * (len(cols) + 1) + "|"]
+    out += [f"| {name} | " + " | ".join(f"{m[c]:.4f}" for c in cols) + " |" for name, m in rows]
+    diff = ev.get("model_minus_most_popular", {})
+    ci = [f"{k.replace('recall', 'Recall').replace('ndcg', 'NDCG')} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]"
+          for k, v in diff.items() if k in ("recall@10", "ndcg@10")]
+    if ci:
+        out += ["", "model - most popular (paired bootstrap over users, 95%): " + ", ".join(ci) + "."]
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out-dir", default="out/ml-100k", help="the folder `make run` wrote")
+    p.add_argument("--model", default="", help="the fine-tuned folder (default: <out-dir>/models/centroid+gti+sft)")
+    p.add_argument("--command", default="make run", help="the command that produced the run (printed)")
+    a = p.parse_args()
+    o, model = a.out_dir, a.model or os.path.join(a.out_dir, "models", "centroid+gti+sft")
+    grounded = model[:-len("+sft")] if model.endswith("+sft") else model
+    hint = f"run `{a.command}` first"
+    s01, s02 = load(f"{o}/01_embed_items.json", hint), load(f"{o}/02_rqvae.json", hint)
+    s03, s07 = load(f"{o}/03_expand_vocab.json", hint), load(f"{o}/diagnostics.json", hint)
+    s04, s05 = load(f"{grounded}/04_ground.json", hint), load(f"{model}/05_sft.json", hint)
+    ev, keep = load(f"{model}/eval_test.json", hint), load(f"{model}/eval_test_keep.json", hint)
+    sas = load(f"{o}/sasrec/eval_test.json", hint) if os.path.exists(f"{o}/sasrec/eval_test.json") else None
+    L = [f"# `{a.command}`: what it measured ({s01['dataset']})", "",
+         f"Written by `python scripts/summary.py --out-dir {o}` at the end of `{a.command}` "
+         f"({time.strftime('%Y-%m-%d', time.gmtime())}, {platform.machine()}, {os.cpu_count()} CPU cores, "
+         f"{ev.get('autocast', '')}).", "",
+         f"{s01['num_users']} users, {s01['num_items']} items, {s01['num_interactions']} interactions; "
+         f"SIDs: {s02['quantizer']}, codebooks {s02['codebook_sizes']}, {s02['unique_sids']} unique; "
+         f"05: {s05['steps']} steps x {s05['batch_size']} examples "
+         f"({s05['steps'] * s05['batch_size'] / max(1, s05['examples']):.2f} epochs).", "",
+         f"## Test, history excluded (`{model}/eval_test.json`)", "",
+         f"Leave-one-out test item, full ranking over all items by {ev['search']} search "
+         f"(beam {ev['beam']}), items the user has seen removed.", ""]
+    L += table(ev)
+    L += ["", f"## Test, history kept (`{model}/eval_test_keep.json`)", ""] + table(keep)
+    L += ["", f"## 05's validation curve ({s05['val_examples']} users)", "",
+          "| step | epochs | val loss | val SID-token accuracy |", "|---|---|---|---|"]
+    for step, loss, acc in s05["val_curve"]:
+        ep = step * s05["batch_size"] / max(1, s05["examples"])
+        L.append(f"| {step} | {ep:.2f} | {loss:.3f} | {acc:.3f} |")
+    L += ["", f"best step {s05['best_step']} (lowest validation loss) is the saved model.", ""]
+    t03 = sum(v["seconds"] for v in s03.values() if isinstance(v, dict) and "seconds" in v)
+    steps = [("01_embed_items.py", s01["seconds"]), ("02_rqvae.py", s02["seconds"]),
+             ("03_expand_vocab.py (all inits)", t03), ("04_ground.py", s04["seconds"]),
+             ("05_sft.py", s05["seconds"])]
+    steps += [("baselines/sasrec.py", sas["seconds"])] if sas else []
+    steps += [("06_eval.py (both protocols)", ev["seconds"]), ("07_diagnose.py", s07["seconds"])]
+    L += ["## Time per step", "", "| step | seconds |", "|---|---|"]
+    L += [f"| {name} | {sec:.0f} |" for name, sec in steps]
+    L += [f"| total | {sum(s for _, s in steps):.0f} ({sum(s for _, s in steps) / 60:.1f} min) |", ""]
+    path = os.path.join(o, "summary.md")
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(L))
+    os.replace(path + ".tmp", path)
+    print("\n".join(L[L.index(f"## Test, history excluded (`{model}/eval_test.json`)"):]))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
