@@ -7,8 +7,9 @@ BACKBONE = models/SmolLM2-135M-Instruct
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup run run-beauty test study study-plan study-report study-gpu bench bench-sft clean
-setup: .venv/.installed $(BACKBONE)/config.json data/ml-100k/ml-100k.inter
+.PHONY: setup run run-beauty results figures test test-fast study study-plan study-report study-gpu bench \
+	bench-sft clean
+setup: .venv/.installed $(BACKBONE)/config.json data/ml-100k/ml-100k.inter data/amazon-beauty
 
 .venv/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv .venv
@@ -24,8 +25,18 @@ $(BACKBONE)/config.json: .venv/.installed scripts/convert_backbone.py
 data/ml-100k/ml-100k.inter: .venv/.installed scripts/get_ml100k.py
 	$(PY) scripts/get_ml100k.py --out data/ml-100k
 
+# Amazon Beauty 5-core is not redistributed here: put its three files in data/amazon-beauty/ (README "Data").
+# Where a copy sits beside the repository (../shared/data/amazon-beauty), it is linked, never copied.
+data/amazon-beauty:
+	@if [ -d ../shared/data/amazon-beauty ]; then mkdir -p data && ln -s ../../shared/data/amazon-beauty $@; \
+	else echo "note: no Amazon Beauty files; make run-beauty needs data/amazon-beauty (README: Data)"; fi
+
 test: setup
 	$(PY) -m pytest -q tests
+
+# The fast tier for lab machines (< 60 s): unit tests of the math, no subprocess runs (tests/conftest.py).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
 
 # The pipeline on CPU: every step once, the SFT/eval chain on centroid init + GTI grounding, the SASRec
 # reference, then 06 under both protocols (history excluded and kept, one prefill for both) and 07.
@@ -39,12 +50,25 @@ run: setup
 	$(PY) baselines/sasrec.py --out-dir $(OUT)
 	$(PY) 06_eval.py --out-dir $(OUT) --model $(OUT)/models/centroid+gti+sft
 	$(PY) 07_diagnose.py --out-dir $(OUT) --models random,mean,centroid,shuffled,centroid+gti,centroid+gti+sft
+	$(PY) scripts/journey.py --out-dir $(OUT)
+	$(PY) scripts/summary.py --out-dir $(OUT)
 
-# Amazon Beauty 5-core on CPU at a small documented budget (data from ../shared/data/amazon-beauty): centroid
-# init + GTI + SFT, evaluated on the first 1,000 test users (both protocols). See README "Amazon Beauty on a CPU".
+# After a fresh `make run`: its summary and one item's journey become results/ and the README's blocks.
+results: setup
+	cp $(OUT)/summary.md results/$(DATASET)_make_run.md
+	cp $(OUT)/journey.md results/$(DATASET)_journey.md
+	$(PY) scripts/sync_readme.py
+
+# The README's spectra figure (needs `make run`; grounds models/mean for the mean + GTI rows, ~2 min).
+figures: setup
+	test -d $(OUT)/models/mean+gti || $(PY) 04_ground.py --out-dir $(OUT) --model $(OUT)/models/mean --steps 120
+	$(PY) scripts/figures.py --out-dir $(OUT) --save results/$(DATASET)_spectra.png
+
+# Amazon Beauty 5-core on CPU at a small documented budget (data in data/amazon-beauty): centroid init + GTI
+# + SFT, evaluated on the first 1,000 test users (both protocols); docs/design.md has its numbers.
 BEAUTY = out/amazon-beauty
 run-beauty: setup
-	$(PY) 01_embed_items.py --dataset amazon-beauty --out-dir $(BEAUTY)
+	$(PY) 01_embed_items.py --dataset amazon-beauty --data-dir data/amazon-beauty --out-dir $(BEAUTY)
 	$(PY) 02_rqvae.py --out-dir $(BEAUTY)
 	$(PY) 03_expand_vocab.py --out-dir $(BEAUTY) --model $(BACKBONE) --init centroid
 	$(PY) 04_ground.py --out-dir $(BEAUTY) --model $(BEAUTY)/models/centroid --steps 120

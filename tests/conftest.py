@@ -133,3 +133,22 @@ def tiny_model(tmp_path):
 @pytest.fixture
 def tiny_untied_model(tmp_path):
     return make_tiny_model(str(tmp_path / "tiny_untied"), tied=False)
+
+
+# --- the fast tier (`make test-fast`): a test is slow when it runs a script in a subprocess or builds
+# artifacts with one (directly or through a fixture); every other test checks math in-process.
+SLOW_FIXTURES = {"sid_setup", "all_inits", "setup", "diag_setup", "smoke", "constructed", "previous_out",
+                 "generic_dir", "tiny_model", "tiny_untied_model"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: runs a script in a subprocess (skipped by make test-fast)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import inspect
+    for item in items:
+        fn = getattr(item, "function", None)
+        src = inspect.getsource(fn) if fn else ""
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or "run(" in src or "BACKBONE" in src:
+            item.add_marker(pytest.mark.slow)
