@@ -1,53 +1,35 @@
 """Step 5: supervised fine-tuning (SFT) of the whole model on next-item prediction in SID tokens.
 
-Paper step: the recommendation task shared by both papers (TIGER-style generative retrieval; GTI, Chen et
-al. 2026, sec. 4.3 "standard SFT"; centroid init, Loveland et al. 2026, sec. 5). `--aux-tasks` mixes in a
-2-task subset of LC-Rec's language <-> SID tasks (item text -> SID, SID -> item text; Zheng et al. 2024;
-the GTI paper's LC-Rec baseline).
+Paper step: the recommendation task shared by both papers (TIGER-style generative retrieval; GTI,
+Chen et al. 2026, sec. 4.3 "standard SFT"; centroid init, Loveland et al. 2026, sec. 5).
+`--aux-tasks` mixes in a 2-task subset of LC-Rec's language <-> SID tasks (item text -> SID,
+SID -> item text; Zheng et al. 2024; the GTI paper's LC-Rec baseline).
 
-Two objectives (--objective), both laid out exactly as 06_eval.py prompts the model (sft_config.json):
-    sequence (default): a row is a window w = (w_1 .. w_n) of <= H+1 consecutive train items of one user,
+Rows (--objective), laid out exactly as 06_eval.py prompts the model (sft_config.json):
+    sequence (default): a window w = (w_1 .. w_n) of <= H+1 consecutive train items of one user,
         ids = "User history: " SID(w_1) SID(w_2) ... SID(w_n)
         loss = - (1/#targets) sum_{j=2..n} sum_{t in SID(w_j)} log p(x_t | x_<t)
-        one forward pass supervises n-1 next items (a causal LM over the whole sequence, as SASRec does).
-        Windows are cut from the end of each train part with stride H: every train target once per epoch.
-    prompt: a row is one (history -> next item) instruction example (the LC-Rec / GTI format),
+        cut from the end of each train part with stride H: every train target once per epoch.
+    prompt: one (history -> next item) instruction row (the LC-Rec / GTI format),
         ids = template(SID(s_{i-H}) .. SID(s_{i-1})) SID(s_i) EOS,   loss on SID(s_i) + EOS only.
+Loss (--softmax full | sid | level, see SIDLoss): the SID targets normalized over the vocabulary,
+over the SID tokens, or over the target level's codes; 06 scores with the same one.
     lr(step) = lr * (step+1) / warmup for step < warmup, then cosine from lr to lr * --min-lr-frac
---softmax full | sid | level normalizes the SID targets over the whole vocabulary, over the SID tokens, or
-over the target level's codes (see SIDLoss); 06 scores with the same one. The validation item (s_u[-2])
-only feeds the validation loss that picks the best checkpoint; the test item (s_u[-1]) is never read.
-Token ids are built directly (template ids + SID token ids from sid_vocab.json), so tokenization can never
-merge or split SID tokens. The LM head runs only on the supervised positions.
-
-Why these CPU defaults (ML-100K, SmolLM2-135M, centroid + GTI start, 2 CPU cores with AVX512-BF16, measured
-2026-11-30; README "How the CPU defaults were chosen"): bench/sft_throughput.py gives 2.1 target items/s for
-the former default (prompt rows, full softmax, fp32) and 73.7 for sequence rows, level softmax, bf16 autocast
-(39.5x; sequence vs prompt at the same softmax and dtype: 17-21x). At 250 steps x 8 windows, validation
-Recall@10 (history excluded, 943 users) was 0.106 full softmax / 0.119 level softmax at lr 5e-4, and 0.139
-level softmax at lr 1e-3 (most popular 0.074). 220 steps is what fits `make run` in 20 minutes.
-
-Multi-process: `torchrun --nproc_per_node=N 05_sft.py ...` (DistributedDataParallel; NCCL on CUDA, gloo on
-CPU; rank 0 logs and saves). --batch-size is the global micro-batch, split over the processes; each step's
-loss is normalized by the target tokens of all processes together, so the gradients equal a single-process
-run's up to float rounding. The example order is a pure function of (seed, step), so `--resume` continues a
-killed run from its last checkpoint with the same numbers (on CPU; on CUDA, bf16 autocast and
-non-deterministic cuBLAS/SDPA kernels make runs differ slightly).
+The validation item (s_u[-2]) only feeds the validation loss that picks the best checkpoint; the
+test item (s_u[-1]) is never read. SID tokens are inserted as ids, never tokenized from text.
 
 Reads:  --model (a 03/04 folder: HF model + tokenizer + sid_vocab.json with every item's SID),
         <out-dir>/dataset.pt (default --out-dir: the folder two levels above --model).
-Writes: --save (default <model>+sft): the best model (lowest validation loss) + tokenizer + sid_vocab.json
-        + sft_config.json (objective, template, max_history, softmax; read by 06) + 05_sft.json (loss curve,
-        val curve, validation accuracy per target position, best step, seconds); <save>.resume.pt while
-        training (model, optimizer, scheduler, RNG, step; removed when the run finishes).
+Writes: --save (default <model>+sft): the best model (lowest validation loss) + tokenizer
+        + sid_vocab.json + sft_config.json (objective, template, max_history, softmax; read by 06)
+        + 05_sft.json (loss curve, val curve, validation accuracy per target position, best step,
+        seconds); <save>.resume.pt while training (removed when the run finishes).
 
 CPU:  python 05_sft.py --model out/ml-100k/models/centroid+gti
-GPU (epochs over all ML-100K windows, bf16 autocast, larger batch):
-      python 05_sft.py --model out/ml-100k/models/centroid+gti --device cuda --epochs 10 --batch-size 64 \
-          --lr 3e-4 --warmup 100 --eval-every 200 --val-examples 0
-      torchrun --nproc_per_node=4 05_sft.py --model out/ml-100k/models/centroid+gti --epochs 10 --batch-size 256
-Good run prints one line per --log-every steps, e.g. "step 50/300 | loss 2.91 | lr 1.9e-04 | ...", the
-validation loss every --eval-every steps, and "best step ... val loss ..." at the end.
+GPU:  python 05_sft.py --model out/ml-100k/models/centroid+gti --device cuda --epochs 10 \
+          --batch-size 64 --lr 3e-4 --warmup 100 --eval-every 200 --val-examples 0
+Good run prints one line per --log-every steps, e.g. "step 50/300 | loss 2.91 | lr 1.9e-04 | ...",
+the validation loss every --eval-every steps, and "best step ... val loss ..." at the end.
 """
 import argparse
 import ast
@@ -64,6 +46,7 @@ import time
 import typing
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import numpy as np
@@ -84,17 +67,17 @@ class Args:
     objective: Literal["sequence", "prompt"] = "sequence"
     """sequence: every item of a window is a target; prompt: one target per instruction row"""
     softmax: Literal["full", "sid", "level"] = "level"
-    """normalize SID targets over the vocabulary (full), the SID tokens (sid), or the target's level (level)"""
+    """normalize SID targets over the vocabulary (full), the SID tokens (sid), the level (level)"""
     max_history: Annotated[int, ">= 1"] = 20
     """history items before a target (sequence: windows of max_history + 1 items)"""
     template: str = ""
-    """prompt template with {history} (default: 'User history: {history}', plus '\nNext item:' for prompt)"""
+    """prompt with {history} (default: 'User history: {history}', + '\nNext item:' for prompt)"""
     aux_tasks: bool = False
     """mix in LC-Rec-style item text -> SID and SID -> item text examples"""
     aux_ratio: float = 0.25
-    """auxiliary examples per recommendation example (a window or an instruction row; with --aux-tasks)"""
+    """auxiliary examples per recommendation example (a window or a row; with --aux-tasks)"""
     steps: Annotated[int, ">= 1"] = 220
-    """optimizer steps (the CPU default: fits `make run` in 20 min on 2 cores); ignored when --epochs > 0"""
+    """optimizer steps (the CPU default; ignored when --epochs > 0)"""
     epochs: float = 0.0
     """passes over all examples (sets the number of steps; the GPU setting)"""
     batch_size: Annotated[int, ">= 1"] = 8
@@ -120,89 +103,51 @@ class Args:
     resume: bool = False
     """continue from <save>.resume.pt (same arguments)"""
     resumable: bool = True
-    """write <save>.resume.pt (model + optimizer state, ~3x the model) at each validation; --no-resumable skips it (short runs)"""
+    """write <save>.resume.pt (model + optimizer state, ~3x the model) at each validation"""
     stop_at: Annotated[int, ">= 0"] = 0
     """stop abruptly after this step, as if killed (to test --resume); 0: off"""
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     """auto = cuda, else mps, else cpu (under torchrun: cuda if available, else gloo on cpu)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """bf16 autocast or not; weights, optimizer and loss stay fp32 (auto = bf16 on CUDA and on CPUs with native bf16)"""
+    """bf16 autocast or not; weights, optimizer, loss stay fp32 (auto: bf16 where native)"""
     seed: int = 0
     """seeds random, numpy, torch and the example order"""
 
 
-# ---------------------------------------------------------------------------------------------------
-# Inputs: the model folder, its SID vocabulary, and the dataset it must match (the same function in 04 and 06)
-# ---------------------------------------------------------------------------------------------------
-def load_sid_model(model_dir: str, out_dir: str, device):
-    """A folder made by 03, 04 or 05 (HF model + tokenizer + sid_vocab.json [+ sft_config.json])
-    and the dataset.pt whose items its SIDs name, checked against each other. Returns the fp32
-    model on `device`, tokenizer, sid_vocab, dataset, codes (N, L+1) every item's SID as codes,
-    item_tok (N, L+1) the same as token ids, and sft_config.json ({} when absent)."""
-    path = os.path.join(model_dir, "sid_vocab.json")
-    hint = "use a folder made by 03_expand_vocab.py (or 04/05)"
-    vocab = load_json(path, hint)
-    data = load_pt(os.path.join(out_dir, "dataset.pt"),
-                   "run 01_embed_items.py first (or pass --out-dir)")
-    fields = {"item_ids", "texts", "sequences", "train", "valid", "test", "popularity"}
-    if not isinstance(data, dict) or not fields <= data.keys():
-        die(f"{out_dir}/dataset.pt lacks the fields 01_embed_items.py writes; "
-            "rerun it (or pass --out-dir)")
-    try:
-        codes = np.array(vocab["item_codes"], dtype=np.int64)                    # (N, L+1)
-        item_tok = torch.tensor(vocab["item_token_ids"], dtype=torch.long)       # (N, L+1)
-        names = [f"<{vocab['level_names'][l]}_{c}>" for row in codes.tolist()
-                 for l, c in enumerate(row)]
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        die(f"{path} lacks what 03_expand_vocab.py writes ({type(e).__name__}: {e}); "
-            "rebuild the folder with 03")
-    if vocab.get("items_key") != items_key(data) or codes.shape != item_tok.shape:
-        die(f"{path} was built for another dataset than {out_dir}/dataset.pt ({len(codes)} items "
-            f"vs {len(data['item_ids'])}, or other ids/texts); rerun 03_expand_vocab.py "
-            f"--out-dir {out_dir} or pass --out-dir")
-    tok, model = load_hf(model_dir, hint)
-    if tok.convert_ids_to_tokens(item_tok.flatten().tolist()) != names:
-        die(f"{model_dir}: the tokenizer does not hold the SID tokens listed in sid_vocab.json; "
-            "rebuild the folder with 03_expand_vocab.py")
-    if model.get_input_embeddings().num_embeddings <= int(item_tok.max()):
-        die(f"{model_dir}: embedding matrix smaller than the SID token ids; "
-            "rebuild it with 03_expand_vocab.py")
-    cfg_path = os.path.join(model_dir, "sft_config.json")
-    sft_cfg = load_json(cfg_path, "rerun 05_sft.py") if os.path.exists(cfg_path) else {}
-    return model.to(device).eval(), tok, vocab, data, codes, item_tok, sft_cfg
-
-
-# ---------------------------------------------------------------------------------------------------
-# Examples: (kind, a, b) triples, turned into token ids only when batched (97k ML-100K examples stay small)
-#   kind 0: prompt objective, user a, target position b of the train part (history = the H items before b)
-#   kind 4: sequence objective, user a, the window of train items s[max(0, b-H-1):b] (targets: all but its first)
-#   kind 1: item text -> SID of item a        kind 2: SID of item a -> item text     (LC-Rec auxiliary)
-#   kind 3: validation, user a: history = the last H train items, target = the validation item
-# ---------------------------------------------------------------------------------------------------
+# --- 1. Rows: an example is a triple (kind, a, b), made into token ids only when batched ----------
+PROMPT_ROW = 0    # prompt objective, user a: target = train item b, history = the H items before it
+TEXT_TO_SID = 1   # LC-Rec auxiliary: item a's text -> its SID
+SID_TO_TEXT = 2   # LC-Rec auxiliary: item a's SID -> its text
+VALID_ROW = 3     # validation, user a: history = the last H train items, target = the valid. item
+WINDOW = 4        # sequence objective, user a: train items s[max(0, b-H-1):b], all but 1st targets
 TEMPLATES = {"sequence": "User history: {history}", "prompt": "User history: {history}\nNext item:"}
-AUX_TEMPLATES = {1: "Item: {text}\nSemantic ID:", 2: "Semantic ID: {sid}\nItem:"}
+AUX_TEMPLATES = {TEXT_TO_SID: "Item: {text}\nSemantic ID:",
+                 SID_TO_TEXT: "Semantic ID: {sid}\nItem:"}
+AUX_TEXT_TOKENS = 32          # an auxiliary row keeps the first 32 tokens of the item text
+IGNORE = -100                 # the label of a position that is not supervised
 
 
-def build_examples(train, num_items: int, objective: str, max_history: int, aux_ratio: float, seed: int):
+def build_examples(train, num_items: int, objective: str, max_history: int, aux_ratio: float,
+                   seed: int):
     """train: the train parts only (s_u[:-2]); the validation / test items are not even passed in.
-    sequence: windows of <= H+1 items cut from the end of each train part with stride H, so every train
-    target (positions 1 .. n-1) is supervised exactly once per epoch, with the longest history at the end."""
+    sequence: windows of <= H+1 items cut from the end of each train part with stride H, so every
+    train target (positions 1 .. n-1) is supervised once per epoch, the longest history last."""
     if objective == "sequence":
-        rec = [(4, u, e) for u, s in enumerate(train) for e in range(len(s), 1, -max_history)]
+        rec = [(WINDOW, u, e) for u, s in enumerate(train) for e in range(len(s), 1, -max_history)]
     else:
-        rec = [(0, u, i) for u, s in enumerate(train) for i in range(1, len(s))]
+        rec = [(PROMPT_ROW, u, i) for u, s in enumerate(train) for i in range(1, len(s))]
     aux = []
     if aux_ratio > 0:
         g = torch.Generator().manual_seed(seed)
         n_aux = round(aux_ratio * len(rec))
-        pick = torch.randint(0, 2 * num_items, (n_aux,), generator=g).tolist()   # text->SID or SID->text
-        aux = [(1 + p % 2, p // 2, 0) for p in pick]
+        pick = torch.randint(0, 2 * num_items, (n_aux,), generator=g).tolist()   # item x direction
+        aux = [(SID_TO_TEXT if p % 2 else TEXT_TO_SID, p // 2, 0) for p in pick]
     return rec, aux
 
 
 def validation_users(train, n: int, seed: int):
-    """User ids whose train part is non-empty (their validation prompt has a history); with 0 < n < their
-    number, a fixed random subset of n of them (sorted): positions in that list are mapped back to user ids."""
+    """User ids whose train part is non-empty (their validation prompt has a history); with
+    0 < n < their number, a fixed random subset of n of them (sorted), mapped back to user ids."""
     users = [u for u in range(len(train)) if len(train[u]) > 0]
     if n and n < len(users):
         g = torch.Generator().manual_seed(seed)
@@ -214,23 +159,24 @@ def check_template(template: str, objective: str):
     if template.count("{history}") != 1:
         die(f"--template {template!r} must contain {{history}} exactly once")
     if objective == "sequence" and not template.endswith("{history}"):
-        die(f"--template {template!r}: with --objective sequence the next item's SID follows the history "
-            "directly, so the template must end with {history}")
+        die(f"--template {template!r}: with --objective sequence the next item's SID follows the "
+            "history directly, so the template must end with {history}")
 
 
 class Encoder:
-    """Turns an example triple into (ids, is_target): token ids and a 0/1 flag per token (1 = supervised).
-    SID tokens are inserted as ids, so tokenization can never merge or split them."""
+    """Turns an example triple into (ids, is_target): token ids and a 0/1 flag per token
+    (1 = supervised). SID tokens are inserted as ids: tokenization never merges or splits them."""
 
     def __init__(self, tok, template, objective, item_tok, texts, data_seqs, valid, max_history):
         check_template(template, objective)
         enc = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
         self.pre, self.post = map(enc, template.split("{history}"))
-        self.aux = {k: [enc(x) for x in t.split("{text}" if k == 1 else "{sid}")] for k, t in AUX_TEMPLATES.items()}
+        self.aux = {k: [enc(x) for x in t.split("{text}" if k == TEXT_TO_SID else "{sid}")]
+                    for k, t in AUX_TEMPLATES.items()}
         self.enc, self.item_tok, self.texts = enc, item_tok.tolist(), texts
         self.train, self.valid, self.H = data_seqs, valid, max_history
         self.eos = tok.eos_token_id
-        self.end = [] if objective == "sequence" else [self.eos]          # what follows a predicted SID
+        self.end = [] if objective == "sequence" else [self.eos]      # what follows a predicted SID
 
     def sid(self, items):
         return [t for i in items for t in self.item_tok[i]]
@@ -241,86 +187,86 @@ class Encoder:
 
     def __call__(self, ex):
         kind, a, b = ex
-        if kind == 4:                                       # s[b-H-1:b]: loss on the SIDs of items 2..
+        if kind == WINDOW:                                # s[b-H-1:b]: loss on items 2.. of it
             w = self.train[a][max(0, b - self.H - 1):b]
             first = len(self.pre) + len(self.item_tok[w[0]])
             ids = self.pre + self.sid(w)
             return ids, [0] * first + [1] * (len(ids) - first)
-        if kind == 0:                                       # history s[b-H:b] -> s[b]
+        if kind == PROMPT_ROW:                              # history s[b-H:b] -> s[b]
             s = self.train[a]
             prompt, target = self.prompt(s[:b]), self.sid([s[b]]) + self.end
-        elif kind == 3:                                     # history s[-H:] -> validation item
+        elif kind == VALID_ROW:                             # history s[-H:] -> validation item
             prompt, target = self.prompt(self.train[a]), self.sid([self.valid[a]]) + self.end
-        else:
-            text = self.enc(self.texts[a])[:32]
-            pre, post = self.aux[kind]
-            if kind == 1:
-                prompt, target = pre + text + post, self.sid([a]) + [self.eos]
+        else:                                               # auxiliary: item a's text <-> its SID
+            (pre, post), text = self.aux[kind], self.texts[a]
+            if kind == TEXT_TO_SID:
+                prompt = pre + self.enc(text)[:AUX_TEXT_TOKENS] + post
+                target = self.sid([a]) + [self.eos]
             else:
-                prompt, target = pre + self.sid([a]) + post, self.enc(" " + self.texts[a])[:32] + [self.eos]
+                prompt = pre + self.sid([a]) + post
+                target = self.enc(" " + text)[:AUX_TEXT_TOKENS] + [self.eos]
         return prompt + target, [0] * len(prompt) + [1] * len(target)
 
 
 def collate(rows, pad_id: int):
-    """Left-pad (ids, is_target) rows. Returns ids, mask, positions, labels (B, T); labels[b, j] = ids[b, j+1]
-    where that token is supervised (the logit at position j predicts token j+1), else -100."""
+    """Left-pad (ids, is_target) rows. Returns ids, mask, positions, labels (B, T); labels[b, j] =
+    ids[b, j+1] where that token is supervised (the logit at j predicts token j+1), else IGNORE."""
     T = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), T, dtype=torch.long)
-    labels = torch.full((len(rows), T), -100, dtype=torch.long)
+    labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
     for b, (x, t) in enumerate(rows):
         x, t = torch.tensor(x), torch.tensor(t, dtype=torch.bool)
         ids[b, T - len(x):], mask[b, T - len(x):] = x, 1
-        labels[b, T - len(x):T - 1] = x[1:].masked_fill(~t[1:], -100)   # token j+1 at position j
+        labels[b, T - len(x):T - 1] = x[1:].masked_fill(~t[1:], IGNORE)   # token j+1 at position j
     pos = (mask.cumsum(1) - 1).clamp(min=0)                 # positions ignore the left pad
     return ids, mask, pos, labels
 
 
-# ---------------------------------------------------------------------------------------------------
-# The loss: the LM body on every position, the head only on the supervised ones, over the --softmax set
-#   full:  log p(y) = z_y - logsumexp_{v in V} z_v                      (the whole vocabulary)
-#   sid:   log p(y) = z_y - logsumexp_{v in SID tokens} z_v             (SID targets; others as full)
-#   level: log p(y) = z_y - logsumexp_{v in level(y)} z_v               (the codes of the target's level)
+# --- 2. The loss: the LM body on every position, the head only on the supervised ones ------------
+#   full:  log p(y) = z_y - logsumexp_{v in V} z_v                  (the whole vocabulary)
+#   sid:   log p(y) = z_y - logsumexp_{v in SID tokens} z_v         (SID targets; others as full)
+#   level: log p(y) = z_y - logsumexp_{v in level(y)} z_v           (the codes of y's level)
 # 06_eval.py scores with the same softmax (sft_config.json), so training and ranking agree.
-# ---------------------------------------------------------------------------------------------------
 class SIDLoss(torch.nn.Module):
-    """The causal LM and its loss in one module, so DistributedDataParallel wraps the whole computation."""
+    """The causal LM and its loss in one module, so DistributedDataParallel wraps all of it."""
 
     def __init__(self, lm, softmax: str, level_tok):
         super().__init__()
         self.lm, self.softmax = lm, softmax
-        cols = torch.cat([t[t >= 0] for t in level_tok])                              # (C,) SID token ids
+        cols = torch.cat([t[t >= 0] for t in level_tok])                        # (C,) SID token ids
         level = torch.cat([torch.full((int((t >= 0).sum()),), l) for l, t in enumerate(level_tok)])
         col_of = torch.full((lm.get_output_embeddings().weight.shape[0],), -1, dtype=torch.long)
         col_of[cols] = torch.arange(len(cols))
         self.register_buffer("cols", cols, persistent=False)
-        self.register_buffer("level", level, persistent=False)                        # (C,) level of column
-        self.register_buffer("col_of", col_of, persistent=False)                      # (V,) token -> column
+        self.register_buffer("level", level, persistent=False)                # (C,) column's level
+        self.register_buffer("col_of", col_of, persistent=False)              # (V,) token -> column
 
     def forward(self, ids, mask, pos, labels):
-        """Summed CE over the supervised tokens, and hits (N,): argmax == label, in row-major order."""
+        """Summed CE over the supervised tokens, and hits (N,): argmax == label, row-major."""
         h = self.lm.base_model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                               use_cache=False).last_hidden_state                     # (B, T, d)
-        sel = labels != -100
-        h, y = h[sel], labels[sel]                                                    # (N, d), (N,)
+                               use_cache=False).last_hidden_state               # (B, T, d)
+        sel = labels != IGNORE
+        h, y = h[sel], labels[sel]                                              # (N, d), (N,)
         head = self.lm.get_output_embeddings()
-        col = self.col_of[y]                                                          # (N,) -1: not a SID
+        col = self.col_of[y]                                                    # (N,) -1: not a SID
         sub = col >= 0 if self.softmax != "full" else torch.zeros_like(col, dtype=torch.bool)
         loss, hits = h.new_zeros((), dtype=torch.float32), torch.zeros_like(y, dtype=torch.bool)
-        if (~sub).any():                                                              # full vocabulary
-            z = head(h[~sub]).float()                                                 # (N1, V)
+        if (~sub).any():                                                        # full vocabulary
+            z = head(h[~sub]).float()                                           # (N1, V)
             loss = loss + F.cross_entropy(z, y[~sub], reduction="sum")
             hits[~sub] = z.argmax(-1) == y[~sub]
-        if sub.any():                                                                 # SID columns only
+        if sub.any():                                                           # SID columns only
             b = head.bias[self.cols] if head.bias is not None else None
-            z = F.linear(h[sub], head.weight[self.cols], b).float()                   # (N2, C)
-            if self.softmax == "level":                                               # other levels: -inf
+            z = F.linear(h[sub], head.weight[self.cols], b).float()             # (N2, C)
+            if self.softmax == "level":                                         # other levels: -inf
                 z = z.masked_fill(self.level[None, :] != self.level[col[sub]][:, None], -math.inf)
             loss = loss + F.cross_entropy(z, col[sub], reduction="sum")
             hits[sub] = z.argmax(-1) == col[sub]
         return loss, hits
 
 
+# --- 3. The loop: AdamW + warmup/cosine over a seeded example stream; validation keeps the best
 def stream_batch(n: int, offset: int, size: int, seed: int, perms: dict):
     """Examples offset .. offset+size-1 of the endless stream: epoch e = randperm(n, seed + e)."""
     out = []
@@ -334,18 +280,19 @@ def stream_batch(n: int, offset: int, size: int, seed: int, perms: dict):
 
 
 def lr_lambda(args, total):
-    def f(step):                                            # multiplier of args.lr at optimizer step `step`
+    def f(step):                                            # multiplier of args.lr at step `step`
         if step < args.warmup:
             return (step + 1) / args.warmup
         p = (step - args.warmup) / max(1, total - args.warmup)
-        return args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
+        cos = 1 + math.cos(math.pi * min(1.0, p))                   # 2 -> 0 over the run
+        return args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * cos
     return f
 
 
 @torch.no_grad()
 def validate(model, val_rows, batch_size, pad_id, device, ctx, K, rank=0, world=1):
-    """Validation loss, token accuracy, and accuracy per target position (the K tokens every validation
-    target has: SID levels [+ eos]), summed over all processes."""
+    """Validation loss, token accuracy, and accuracy per target position (the K tokens every
+    validation target has: SID levels [+ eos]), summed over all processes."""
     model.eval()
     tot = torch.zeros(3 + K, dtype=torch.float64, device=device)
     mine = val_rows[rank::world]
@@ -353,7 +300,7 @@ def validate(model, val_rows, batch_size, pad_id, device, ctx, K, rank=0, world=
         ids, mask, pos, labels = (x.to(device) for x in collate(mine[s:s + batch_size], pad_id))
         with ctx:
             loss, hits = model(ids, mask, pos, labels)
-        per_pos = hits.view(-1, K).sum(0)                                     # every row has K targets  (K,)
+        per_pos = hits.view(-1, K).sum(0)                           # every row has K targets  (K,)
         n = torch.tensor(float(len(hits)), dtype=torch.float64, device=device)
         tot += torch.cat([torch.stack([loss.double(), n, hits.sum().double()]), per_pos.double()])
     if world > 1:
@@ -362,30 +309,263 @@ def validate(model, val_rows, batch_size, pad_id, device, ctx, K, rank=0, world=
     return (tot[0] / tot[1]).item(), (tot[2] / tot[1]).item(), (tot[3:] / (tot[1] / K)).tolist()
 
 
-# ---------------------------------------------------------------------------------------------------
-# Resume: the whole training state in <save>.resume.pt, written at each validation, read by --resume
-# ---------------------------------------------------------------------------------------------------
-RESUME_KEYS = ("model", "objective", "softmax", "template", "max_history", "aux_tasks", "aux_ratio", "steps",
-               "epochs", "batch_size", "grad_accum", "lr", "min_lr_frac", "warmup", "weight_decay", "clip",
-               "eval_every", "val_examples", "dtype", "seed")               # must match for --resume
+# --- Main: rows -> loss -> loop, then save --------------------------------------------------------
+def main():
+    args = parse_args()
+    run = sft_setup(args)                       # processes, device, autocast, paths, seed, template
+    run.log(f"device {run.device}  world {run.world}  {run.dtype_note}  model {args.model}")
+
+    # 1. rows: training examples from the train parts only, one validation row per user
+    model, tok, vocab, data, _, item_tok, _ = load_sid_model(args.model, run.out_dir, "cpu")
+    rows = sft_rows(args, run, tok, vocab, data, item_tok)
+    per_step = args.batch_size * args.grad_accum                       # examples per optimizer step
+    total = (math.ceil(args.epochs * len(rows.examples) / per_step) if args.epochs > 0
+             else args.steps)
+    run.log(f"objective {args.objective}  softmax {args.softmax}  examples {len(rows.rec)} "
+            f"recommendation ({rows.targets} target items) + {len(rows.aux)} auxiliary, val "
+            f"{len(rows.val)}  steps {total} x {per_step} examples "
+            f"({total * per_step / len(rows.examples):.2f} epochs)")
+
+    # 2. loss: the LM inside SIDLoss (over the --softmax set); AdamW, warmup then cosine
+    model.to(run.device)
+    level_tok = [torch.tensor(t) for t in vocab["token_ids"]]
+    loss_model = SIDLoss(model, args.softmax, level_tok).to(run.device)
+    opt = sft_optimizer(args, model, run.device)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, total))
+
+    # 3. loop (--resume first restores model, optimizer, schedule and this state), 4. save
+    state = {"step": 0, "best_val": float("inf"), "best_step": -1, "loss_curve": [],
+             "val_curve": [], "val_level_acc": [], "seconds": 0.0}
+    resume_key = {"args": {k: getattr(args, k) for k in RESUME_KEYS},
+                  "examples": len(rows.examples), "world": run.world}
+    if args.resume:
+        state = load_resume(run.ckpt, resume_key, model, opt, sched, run.device)
+        run.log(f"resumed from {run.ckpt} at step {state['step']}")
+    train_model = wrap_ddp(loss_model, run.device)
+    files = sft_files(args, run.template, vocab)
+    save_best = lambda: save_folder(run.save, model, tok, files)  # noqa: E731
+    save_state = lambda: save_resume(  # noqa: E731
+        run.ckpt, model, opt, sched, state, resume_key, run.device)
+    if sft_loop(args, run, rows, state, total, model, train_model, opt, sched, save_best,
+                save_state):
+        write_sft_json(args, run, rows, state, total)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def save_resume(path, model, opt, sched, state, run: dict, device):
-    """Model, optimizer, schedule, RNG and the loop's state; `run` = what --resume checks (args, sizes)."""
-    ck = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-          "rng": torch.get_rng_state(), "state": state, **run}
+def sft_setup(args):
+    """Processes (one, or torchrun's), device, autocast, the output paths and the seed."""
+    if args.epochs < 0:
+        die(f"--epochs {args.epochs}: must be >= 0")
+    rank, world, device = start_processes(args.device)
+    if args.batch_size % world:
+        die(f"--batch-size {args.batch_size} must be divisible by the {world} processes")
+    ctx, dtype_note = pick_autocast(args.dtype, device)
+    save = args.save or args.model.rstrip("/") + "+sft"
+    out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
+    if args.resume and not os.path.exists(f"{save}.resume.pt"):
+        die(f"--resume: {save}.resume.pt not found (a finished run removes it); "
+            "run without --resume")
+    seed_everything(args.seed)
+    template = args.template or TEMPLATES[args.objective]
+    check_template(template, args.objective)
+    return SimpleNamespace(rank=rank, world=world, device=device, master=rank == 0,
+                           log=print if rank == 0 else (lambda *a, **k: None),
+                           per_rank=args.batch_size // world, ctx=ctx, dtype_note=dtype_note,
+                           save=save, ckpt=f"{save}.resume.pt", out_dir=out_dir, template=template)
+
+
+def sft_rows(args, run, tok, vocab, data, item_tok):
+    """The examples (train parts only), their Encoder, and the validation rows (one per user)."""
+    train, valid = data["train"], data["valid"].tolist()
+    rec, aux = build_examples(train, len(item_tok), args.objective, args.max_history,
+                              args.aux_ratio if args.aux_tasks else 0.0, args.seed)
+    if not rec:
+        die(f"{run.out_dir}/dataset.pt has no training positions "
+            "(train parts shorter than 2 items)")
+    encode = Encoder(tok, run.template, args.objective, item_tok, data["texts"], train, valid,
+                     args.max_history)
+    users = validation_users(train, args.val_examples, args.seed)
+    return SimpleNamespace(
+        rec=rec, aux=aux, examples=rec + aux, encode=encode,
+        val=[encode((VALID_ROW, u, 0)) for u in users],
+        positions=vocab["level_names"] + ([] if args.objective == "sequence" else ["eos"]),
+        pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        targets=sum(len(s) - 1 for s in train if len(s) > 1))
+
+
+def sft_optimizer(args, model, device):
+    """AdamW; weight decay on the matrices only (not on norms and biases)."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr,
+                             betas=(0.9, 0.95), fused=device.type in ("cuda", "cpu"))  # fused
+
+
+def sft_files(args, template, vocab):
+    """What the saved folder carries besides the model: sid_vocab.json and sft_config.json."""
+    target = "SID tokens" + ("" if args.objective == "sequence" else " + eos")
+    sft_config = {"objective": args.objective, "template": template,
+                  "max_history": args.max_history, "softmax": args.softmax, "target": target,
+                  "aux_tasks": args.aux_tasks, "aux_templates": AUX_TEMPLATES}
+    return {"sid_vocab.json": json.dumps(vocab),
+            "sft_config.json": json.dumps(sft_config, indent=2)}
+
+
+def sft_loop(args, run, rows, state, total, model, train_model, opt, sched, save_best, save_state):
+    """`step` = optimizer steps done. Validates at step 0, every --eval-every steps and at the end
+    (a resumed step was validated already). Returns False when --stop-at ended the run early."""
+    train_model.train()
+    perms, first = {}, state["step"]
+    t_start = t_log = time.time()
+    for step in range(first, total + 1):
+        if (step % args.eval_every == 0 or step == total) and not (step == first and args.resume):
+            state["seconds"] += time.time() - t_start
+            validate_and_keep(args, run, rows, state, step, total, train_model, save_best,
+                              save_state)
+            t_start = t_log = time.time()
+        if step == total:
+            return True
+        if args.stop_at and step == args.stop_at and step > first:
+            run.log(f"stopped after step {step} (--stop-at); continue with --resume")
+            return False
+        loss, gnorm = sft_step(args, run, rows, step, perms, model, train_model, opt, sched)
+        state["loss_curve"].append([step + 1, round(loss, 5)])
+        state["step"] = step + 1
+        if (step + 1) % args.log_every == 0 or step + 1 == total:
+            ms = 1000 * (time.time() - t_log) / ((step + 1) % args.log_every or args.log_every)
+            run.log(f"step {step + 1}/{total} | loss {state['loss_curve'][-1][1]:.4f} | "
+                    f"lr {sched.get_last_lr()[0]:.2e} | gnorm {gnorm:.2f} | {ms:.0f} ms/step")
+            t_log = time.time()
+
+
+def validate_and_keep(args, run, rows, state, step, total, train_model, save_best, save_state):
+    """Validation loss and accuracies; rank 0 saves the best model and the resumable state."""
+    vloss, vacc, vpos = validate(train_model, rows.val, run.per_rank, rows.pad_id, run.device,
+                                 run.ctx, len(rows.positions), run.rank, run.world)
+    state["val_curve"].append([step, round(vloss, 5), round(vacc, 5)])
+    state["val_level_acc"].append([step, [round(x, 4) for x in vpos]])
+    better = vloss < state["best_val"]
+    if better:
+        state["best_val"], state["best_step"] = vloss, step
+        if run.master:
+            save_best()
+    run.log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f} ("
+            + " ".join(f"{n} {x:.2f}" for n, x in zip(rows.positions, vpos)) + ")"
+            + (" | best, saved" if better else ""))
+    if run.master and args.resumable and 0 < step < total:     # the last step needs no resume state
+        save_state()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def sft_step(args, run, rows, step, perms, model, train_model, opt, sched):
+    """One optimizer step over grad_accum micro-batches (this rank's slice of each), the summed
+    loss divided by the target tokens of the whole step. Returns (mean loss, gradient norm)."""
+    offsets = [(step * args.grad_accum + micro) * args.batch_size + run.rank * run.per_rank
+               for micro in range(args.grad_accum)]        # this rank's slice of each micro-batch
+    batches = [collate([rows.encode(rows.examples[i]) for i in
+                        stream_batch(len(rows.examples), o, run.per_rank, args.seed, perms)],
+                       rows.pad_id) for o in offsets]
+    n = torch.tensor([float(sum(int((b[3] != IGNORE).sum()) for b in batches))], device=run.device)
+    tot = torch.zeros(1, dtype=torch.float64, device=run.device)      # summed loss of this step
+    if dist.is_initialized():
+        dist.all_reduce(n)                                # target tokens of the step, all processes
+    for micro, batch in enumerate(batches):
+        ids, mask, pos, labels = (x.to(run.device) for x in batch)
+        with grad_sync(train_model, last=micro == args.grad_accum - 1):
+            with run.ctx:
+                loss, _ = train_model(ids, mask, pos, labels)
+            (loss * run.world / n[0]).backward()   # DDP averages over processes: sum / all targets
+        tot += loss.detach().double()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    if dist.is_initialized():
+        dist.all_reduce(tot)
+    return (tot[0] / n[0]).item(), gnorm
+
+
+def write_sft_json(args, run, rows, state, total):
+    """Rank 0: 05_sft.json beside the best model; the resume state is no longer needed."""
+    summary = {"loss_curve": state["loss_curve"], "val_curve": state["val_curve"],
+               "best_step": state["best_step"], "val_level_acc": state["val_level_acc"],
+               "val_level_names": rows.positions, "best_val_loss": state["best_val"],
+               "steps": total, "examples": len(rows.rec), "target_items": rows.targets,
+               "aux_examples": len(rows.aux), "val_examples": len(rows.val),
+               "world_size": run.world, "batch_size": args.batch_size,
+               "grad_accum": args.grad_accum, "seconds": round(state["seconds"], 1),
+               "s_per_step": round(state["seconds"] / max(1, total), 3),
+               "device": str(run.device), "autocast": run.dtype_note, "args": vars(args)}
+    if not run.master:
+        return
+    if not os.path.isdir(run.save):
+        die(f"no checkpoint was saved to {run.save} (validation loss never finite)")
+    atomic_write(os.path.join(run.save, "05_sft.json"),
+                 lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
+    if os.path.exists(run.ckpt):
+        os.remove(run.ckpt)
+    run.log(f"best step {state['best_step']} val loss {state['best_val']:.4f}  "
+            f"({summary['s_per_step']:.2f} s/step incl. validation)  saved {run.save}")
+
+
+# --- Beyond the papers: several processes (torchrun + DDP) and resumable runs ---------------------
+# `torchrun --nproc_per_node=4 05_sft.py --model out/ml-100k/models/centroid+gti --epochs 10
+# --batch-size 256`: DistributedDataParallel, NCCL on CUDA, gloo on CPU; rank 0 logs and saves.
+# --batch-size is the global micro-batch, split over the processes; each step's loss is normalized
+# by the target tokens of all processes together, so the gradients equal a single-process run's up
+# to float rounding. The example order is a pure function of (seed, step), so --resume continues a
+# killed run from its last checkpoint with the same numbers (on CPU; on CUDA, bf16 autocast and
+# non-deterministic cuBLAS/SDPA kernels make runs differ slightly).
+def start_processes(device_name: str):
+    """(rank, world, device): under torchrun, join its process group; else one process."""
+    if int(os.environ.get("RANK", -1)) == -1:                         # not launched by torchrun
+        return 0, 1, pick_device(device_name)
+    use_cuda = device_name in ("auto", "cuda") and torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap_ddp(loss_model, device):
+    if not dist.is_initialized():
+        return loss_model
+    return DDP(loss_model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def grad_sync(train_model, last: bool):
+    """DDP all-reduces the gradients in backward(): only on a step's last micro-batch."""
+    return train_model.no_sync() if isinstance(train_model, DDP) and not last else nullcontext()
+
+
+# Resume: the whole training state in <save>.resume.pt, written at each validation
+RESUME_KEYS = ("model", "objective", "softmax", "template", "max_history", "aux_tasks", "aux_ratio",
+               "steps", "epochs", "batch_size", "grad_accum", "lr", "min_lr_frac", "warmup",
+               "weight_decay", "clip", "eval_every", "val_examples", "dtype", "seed")  # must match
+
+
+def save_resume(path, model, opt, sched, state, key: dict, device):
+    """Model, optimizer, schedule, RNG and the loop's state; `key` = what --resume checks."""
+    ck = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+          "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "state": state, **key}
     if device.type == "cuda":
         ck["cuda_rng"] = torch.cuda.get_rng_state(device)
     atomic_write(path, lambda t: torch.save(ck, t))
 
 
-def load_resume(path, run: dict, model, opt, sched, device) -> dict:
-    """Restore what save_resume wrote (same arguments and world size, or one line); returns the loop state."""
+def load_resume(path, key: dict, model, opt, sched, device) -> dict:
+    """Restore what save_resume wrote (same arguments and world size, or one line); returns the
+    loop state."""
     ck = load_pt(path, "rerun without --resume")
-    diff = [k for k in run["args"] if ck["args"].get(k) != run["args"][k]]
-    if diff or ck["examples"] != run["examples"] or ck["world"] != run["world"]:
-        die(f"--resume: {path} was written with other arguments ({', '.join(diff) or 'world size'}); "
-            "use the same ones or run without --resume")
+    diff = [k for k in key["args"] if ck["args"].get(k) != key["args"][k]]
+    if diff or ck["examples"] != key["examples"] or ck["world"] != key["world"]:
+        die(f"--resume: {path} was written with other arguments "
+            f"({', '.join(diff) or 'world size'}); use the same ones or run without --resume")
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
     sched.load_state_dict(ck["scheduler"])
@@ -393,162 +573,6 @@ def load_resume(path, run: dict, model, opt, sched, device) -> dict:
     if device.type == "cuda" and "cuda_rng" in ck:
         torch.cuda.set_rng_state(ck["cuda_rng"], device)
     return ck["state"]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Main: setup (DDP or not) -> data -> model/optimizer -> loop (validate + save, accumulate, clip, step, log)
-# ---------------------------------------------------------------------------------------------------
-def main():
-    args = parse_args()
-    if args.epochs < 0:
-        die(f"--epochs {args.epochs}: must be >= 0")
-    ddp = int(os.environ.get("RANK", -1)) != -1                       # launched by torchrun?
-    if ddp:
-        use_cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device(f"cuda:{local}" if use_cuda else "cpu")
-        if use_cuda:
-            torch.cuda.set_device(device)
-    else:
-        rank, world, device = 0, 1, pick_device(args.device)
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-    if args.batch_size % world:
-        die(f"--batch-size {args.batch_size} must be divisible by the {world} processes")
-    ctx, dtype_note = pick_autocast(args.dtype, device)
-    save = args.save or args.model.rstrip("/") + "+sft"
-    ckpt_path = f"{save}.resume.pt"
-    out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
-    if args.resume and not os.path.exists(ckpt_path):
-        die(f"--resume: {ckpt_path} not found (a finished run removes it); run without --resume")
-    seed_everything(args.seed)
-    template = args.template or TEMPLATES[args.objective]
-    check_template(template, args.objective)
-    log(f"device {device}  world {world}  {dtype_note}  model {args.model}")
-
-    # --- data: training examples (train parts only), validation rows (one per user) ---
-    model, tok, vocab, data, _, item_tok, _ = load_sid_model(args.model, out_dir, "cpu")
-    train, valid = data["train"], data["valid"].tolist()
-    rec, aux = build_examples(train, len(item_tok), args.objective, args.max_history,
-                              args.aux_ratio if args.aux_tasks else 0.0, args.seed)
-    examples = rec + aux
-    if not rec:
-        die(f"{out_dir}/dataset.pt has no training positions (train parts shorter than 2 items)")
-    encode = Encoder(tok, template, args.objective, item_tok, data["texts"], train, valid, args.max_history)
-    val_rows = [encode((3, u, 0)) for u in validation_users(train, args.val_examples, args.seed)]
-    positions = vocab["level_names"] + ([] if args.objective == "sequence" else ["eos"])   # tokens per target
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    per_step, per_rank = args.batch_size * args.grad_accum, args.batch_size // world   # examples per step / rank
-    total = math.ceil(args.epochs * len(examples) / per_step) if args.epochs > 0 else args.steps
-    targets = sum(len(s) - 1 for s in train if len(s) > 1)
-    log(f"objective {args.objective}  softmax {args.softmax}  examples {len(rec)} recommendation "
-        f"({targets} target items) + {len(aux)} auxiliary, val {len(val_rows)}  "
-        f"steps {total} x {per_step} examples ({total * per_step / len(examples):.2f} epochs)")
-
-    # --- model, optimizer, schedule; --resume restores all three and the loop state ---
-    model.to(device)
-    loss_model = SIDLoss(model, args.softmax, [torch.tensor(t) for t in vocab["token_ids"]]).to(device)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
-                            fused=device.type in ("cuda", "cpu"))   # fused AdamW: 5x faster step on CPU
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, total))
-    run = {"args": {k: getattr(args, k) for k in RESUME_KEYS}, "examples": len(examples), "world": world}
-    state = {"step": 0, "best_val": float("inf"), "best_step": -1, "loss_curve": [], "val_curve": [],
-             "val_level_acc": [], "seconds": 0.0}
-    if args.resume:
-        state = load_resume(ckpt_path, run, model, opt, sched, device)
-        log(f"resumed from {ckpt_path} at step {state['step']}")
-    train_model = DDP(loss_model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else loss_model
-    sft_config = {"objective": args.objective, "template": template, "max_history": args.max_history,
-                  "softmax": args.softmax, "target": "SID tokens" + ("" if args.objective == "sequence" else " + eos"),
-                  "aux_tasks": args.aux_tasks, "aux_templates": AUX_TEMPLATES}
-    files = {"sid_vocab.json": json.dumps(vocab), "sft_config.json": json.dumps(sft_config, indent=2)}
-
-    # --- the loop; `step` = optimizer steps done. Each micro-batch is a slice of the seeded example stream ---
-    train_model.train()
-    perms, first = {}, state["step"]
-    t_start = t_log = time.time()
-    for step in range(first, total + 1):
-        # validate at step 0, every --eval-every steps and at the end (a resumed step was validated already);
-        # keep the best model (rank 0 writes the folder) and the resumable state
-        if (step % args.eval_every == 0 or step == total) and not (step == first and args.resume):
-            state["seconds"] += time.time() - t_start
-            vloss, vacc, vpos = validate(train_model, val_rows, per_rank, pad_id, device, ctx, len(positions),
-                                         rank, world)
-            state["val_curve"].append([step, round(vloss, 5), round(vacc, 5)])
-            state["val_level_acc"].append([step, [round(x, 4) for x in vpos]])
-            better = vloss < state["best_val"]
-            if better:
-                state["best_val"], state["best_step"] = vloss, step
-                if master:
-                    save_folder(save, model, tok, files)
-            log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f} ("
-                + " ".join(f"{n} {x:.2f}" for n, x in zip(positions, vpos)) + ")"
-                + (" | best, saved" if better else ""))
-            if master and args.resumable and 0 < step < total:          # the last step needs no resume state
-                save_resume(ckpt_path, model, opt, sched, state, run, device)
-            if ddp:
-                dist.barrier()
-            t_start = t_log = time.time()
-        if step == total:
-            break
-        if args.stop_at and step == args.stop_at and step > first:
-            log(f"stopped after step {step} (--stop-at); continue with --resume")
-            if ddp:
-                dist.destroy_process_group()
-            return
-
-        # one optimizer step: grad_accum micro-batches, this rank's share of each, loss / all targets of the step
-        offsets = [(step * args.grad_accum + micro) * args.batch_size + rank * per_rank    # this rank's slice of
-                   for micro in range(args.grad_accum)]                                 # each micro-batch
-        batches = [collate([encode(examples[i]) for i in stream_batch(len(examples), o, per_rank, args.seed, perms)],
-                           pad_id) for o in offsets]
-        n = torch.tensor([float(sum(int((b[3] != -100).sum()) for b in batches))], device=device)
-        tot = torch.zeros(1, dtype=torch.float64, device=device)         # summed loss of this step
-        if ddp:
-            dist.all_reduce(n)                                          # target tokens of the step, all processes
-        for micro, batch in enumerate(batches):
-            ids, mask, pos, labels = (x.to(device) for x in batch)
-            with (nullcontext() if not ddp or micro == args.grad_accum - 1 else train_model.no_sync()):
-                with ctx:
-                    loss, _ = train_model(ids, mask, pos, labels)
-                (loss * world / n[0]).backward()    # DDP averages over processes: = sum / all targets of the step
-            tot += loss.detach().double()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if ddp:
-            dist.all_reduce(tot)
-        state["loss_curve"].append([step + 1, round((tot[0] / n[0]).item(), 5)])
-        state["step"] = step + 1
-        if (step + 1) % args.log_every == 0 or step + 1 == total:
-            ms = 1000 * (time.time() - t_log) / ((step + 1) % args.log_every or args.log_every)
-            log(f"step {step + 1}/{total} | loss {state['loss_curve'][-1][1]:.4f} | "
-                f"lr {sched.get_last_lr()[0]:.2e} | gnorm {gnorm:.2f} | {ms:.0f} ms/step")
-            t_log = time.time()
-
-    # --- summary ---
-    summary = {"loss_curve": state["loss_curve"], "val_curve": state["val_curve"], "best_step": state["best_step"],
-               "val_level_acc": state["val_level_acc"], "val_level_names": positions,
-               "best_val_loss": state["best_val"], "steps": total, "examples": len(rec), "target_items": targets,
-               "aux_examples": len(aux), "val_examples": len(val_rows), "world_size": world,
-               "batch_size": args.batch_size, "grad_accum": args.grad_accum, "seconds": round(state["seconds"], 1),
-               "s_per_step": round(state["seconds"] / max(1, total), 3), "device": str(device),
-               "autocast": dtype_note, "args": vars(args)}
-    if master:
-        if not os.path.isdir(save):
-            die(f"no checkpoint was saved to {save} (validation loss never finite)")
-        atomic_write(os.path.join(save, "05_sft.json"), lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
-        if os.path.exists(ckpt_path):
-            os.remove(ckpt_path)
-        log(f"best step {state['best_step']} val loss {state['best_val']:.4f}  "
-            f"({summary['s_per_step']:.2f} s/step incl. validation)  saved {save}")
-    if ddp:
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -706,6 +730,45 @@ def items_key(ds: dict) -> str:
     """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into
     sid_vocab.json, so a model folder knows which dataset its SIDs index; 04-06 refuse another."""
     return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
+
+
+# Inputs: the model folder, its SID vocabulary and the dataset it must match (also in 04, 06)
+def load_sid_model(model_dir: str, out_dir: str, device):
+    """A folder made by 03, 04 or 05 (HF model + tokenizer + sid_vocab.json [+ sft_config.json])
+    and the dataset.pt whose items its SIDs name, checked against each other. Returns the fp32
+    model on `device`, tokenizer, sid_vocab, dataset, codes (N, L+1) every item's SID as codes,
+    item_tok (N, L+1) the same as token ids, and sft_config.json ({} when absent)."""
+    path = os.path.join(model_dir, "sid_vocab.json")
+    hint = "use a folder made by 03_expand_vocab.py (or 04/05)"
+    vocab = load_json(path, hint)
+    data = load_pt(os.path.join(out_dir, "dataset.pt"),
+                   "run 01_embed_items.py first (or pass --out-dir)")
+    fields = {"item_ids", "texts", "sequences", "train", "valid", "test", "popularity"}
+    if not isinstance(data, dict) or not fields <= data.keys():
+        die(f"{out_dir}/dataset.pt lacks the fields 01_embed_items.py writes; "
+            "rerun it (or pass --out-dir)")
+    try:
+        codes = np.array(vocab["item_codes"], dtype=np.int64)                    # (N, L+1)
+        item_tok = torch.tensor(vocab["item_token_ids"], dtype=torch.long)       # (N, L+1)
+        names = [f"<{vocab['level_names'][l]}_{c}>" for row in codes.tolist()
+                 for l, c in enumerate(row)]
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        die(f"{path} lacks what 03_expand_vocab.py writes ({type(e).__name__}: {e}); "
+            "rebuild the folder with 03")
+    if vocab.get("items_key") != items_key(data) or codes.shape != item_tok.shape:
+        die(f"{path} was built for another dataset than {out_dir}/dataset.pt ({len(codes)} items "
+            f"vs {len(data['item_ids'])}, or other ids/texts); rerun 03_expand_vocab.py "
+            f"--out-dir {out_dir} or pass --out-dir")
+    tok, model = load_hf(model_dir, hint)
+    if tok.convert_ids_to_tokens(item_tok.flatten().tolist()) != names:
+        die(f"{model_dir}: the tokenizer does not hold the SID tokens listed in sid_vocab.json; "
+            "rebuild the folder with 03_expand_vocab.py")
+    if model.get_input_embeddings().num_embeddings <= int(item_tok.max()):
+        die(f"{model_dir}: embedding matrix smaller than the SID token ids; "
+            "rebuild it with 03_expand_vocab.py")
+    cfg_path = os.path.join(model_dir, "sft_config.json")
+    sft_cfg = load_json(cfg_path, "rerun 05_sft.py") if os.path.exists(cfg_path) else {}
+    return model.to(device).eval(), tok, vocab, data, codes, item_tok, sft_cfg
 
 
 if __name__ == "__main__":
