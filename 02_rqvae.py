@@ -1,40 +1,25 @@
-"""Step 2: RQ-VAE semantic IDs - residual quantization of item embeddings, collision suffix, per-code centroids.
+"""Step 2: Semantic IDs - residual quantization of the item embeddings, unique SIDs, code centroids.
 
-Paper step: TIGER's Semantic-ID tokenizer (Rajput et al. 2023, sec. 3.1, Fig. 3), used by both papers; the
-per-code centroids are the centroid paper's mu_{l,k} (Loveland et al. 2026, Algorithm 1, line 2).
+Paper step: TIGER's Semantic-ID tokenizer (Rajput et al. 2023, sec. 3.1, Fig. 3), used by both
+papers; the per-code centroids are the centroid paper's mu_{l,k} (Loveland et al. 2026, Alg. 1).
 
-    z = enc(x)                                   MLP encoder, x = item text embedding (d) -> latent (D)
-    r_0 = z;  c_l = argmin_k ||r_l - e^l_k||;  r_{l+1} = r_l - e^l_{c_l}        l = 0..L-1   (eq. 1)
-    z_q = sum_l e^l_{c_l};  x_hat = dec(z + sg[z_q - z])                    straight-through estimator
-    loss = ||x - x_hat||^2 + sum_l ( ||sg[r_l] - e^l_{c_l}||^2 + beta ||r_l - sg[e^l_{c_l}]||^2 ),  beta = 0.25
-    codebook init: k-means on the first batch, level by level on the residuals
-    dead codes: every --reseed-every steps, codes no batch picked since the last check get a random
-                current residual of their level (so every code stays in play)
-    collision suffix (TIGER): SID = (c_0, ..., c_{L-1}, s), s = 0, 1, 2, ... among items sharing c_0..c_{L-1},
-                numbered in item order (stable), so every SID is unique
-    centroids: mu_{l,k} = mean of x_i over the items with code k at level l (item-embedding space), l = 0..L
+    z = enc(x)                          MLP encoder: item text embedding x (d) -> latent (D)
+    r_0 = z;  c_l = argmin_k ||r_l - e^l_k||;  r_{l+1} = r_l - e^l_{c_l}     l = 0..L-1   (eq. 1)
+    z_q = sum_l e^l_{c_l};  x_hat = dec(z + sg[z_q - z])                 straight-through estimator
+    loss = ||x - x_hat||^2 + sum_l ( ||sg[r_l] - e^l_{c_l}||^2 + beta ||r_l - sg[e^l_{c_l}]||^2 )
+    codebooks: k-means on the first batch; codes unused for --reseed-every steps <- residuals
+    suffix:    SID = (c_0, ..., c_{L-1}, s), s = 0, 1, ... numbers the items sharing c_0..c_{L-1}
+    centroids: mu_{l,k} = mean of x_i over the items with code k at level l, l = 0..L
+--quantizer rqkmeans (the centroid paper's SIDs): eq. 1 on x itself with k-means codebooks.
+--collisions reassign (LC-Rec's idea, greedy): L codes; the colliding items except the nearest move
+    to free last-level codes of their prefix.
 
---quantizer rqkmeans (the centroid paper's SIDs; also MiniOneRec's and OpenOneRec's): no encoder, residual
-    k-means on x itself: c_0 = k-means(x), r_1 = x - e^0_{c_0}, c_1 = k-means(r_1), ... (same k-means, seeded).
-    03 receives the same centroids.pt as for the RQ-VAE: mu_{l,k} = mean of the items' x (the paper's proxy).
-    At level 0 these are the k-means centers themselves; at deeper levels the k-means centers are means of
-    residuals (rqvae.pt "codebooks", what 07's RSA-to-codebook compares with), not of items.
---collisions reassign (LC-Rec's idea, greedy instead of Sinkhorn): exactly L codes, no suffix level. Among
-    items that share all L codes the one nearest the last-level codeword keeps it; the others move to free
-    codes of the last level under the same prefix (c_0..c_{L-2}), closest (item, code) pair first. The
-    summary reports how many moved and how much farther their residual is from its new codeword.
-
-Reads:  <out-dir>/item_emb.npy (from 01_embed_items.py); dataset.pt only to check the item count.
-Writes: <out-dir>/sids.npy (int64 [N, L+1]), centroids.pt, rqvae.pt, 02_rqvae.json (docs/artifacts.md).
---codebook-size 0 (auto) = 64 codes per level for N <= 4096 items (ML-100K: 1,682), else 256 (Beauty: 12,101).
-Same seed -> identical sids.npy on CPU (--threads 1). On CUDA, index_add_ (k-means) and the backward pass
-use atomic adds, so codes can differ slightly between runs.
-
-CPU:  python 02_rqvae.py --out-dir out/ml-100k                  (1,500 steps x ~30 ms: ~50-60 s)
-      python 02_rqvae.py --out-dir out/amazon-beauty            (K=256: ~60 s)
+Reads:  <out-dir>/item_emb.npy (01); dataset.pt only to check the item count (docs/artifacts.md).
+Writes: <out-dir>/sids.npy (int64 [N, L+1]), centroids.pt, rqvae.pt, 02_rqvae.json
+CPU:  python 02_rqvae.py --out-dir out/ml-100k
 GPU:  python 02_rqvae.py --out-dir out/amazon-beauty --device cuda --batch-size 2048 --steps 5000
-Good run (ml-100k) prints one line per interval, ending "step 1500 | loss 0.64 (quant 0.32) | recon_mse 8.4e-04 |
-... | usage 1.00/1.00/1.00", then "collision rate 0.0202 (...; largest group 2) -> 0 duplicate SIDs after the suffix".
+Good run (ml-100k) ends "step 1500 | loss 0.64 (quant 0.32) | ... | usage 1.00/1.00/1.00", then
+"collision rate 0.0202 (...; largest group 2) -> 0 duplicate SIDs after the suffix".
 """
 import argparse
 import ast
@@ -52,7 +37,9 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+SMALL_CATALOG, SMALL_K, LARGE_K = 4096, 64, 256      # --codebook-size 0: K = 64 for N <= 4096
+CPU_THREADS = 1                                      # this small MLP runs fastest on one thread
 
 
 @dataclass
@@ -62,11 +49,9 @@ class Args:
     out_dir: str = ""
     """artifacts folder with 01's item_emb.npy (default: out/<dataset>)"""
     quantizer: Literal["rqvae", "rqkmeans"] = "rqvae"
-    """rqvae (TIGER: MLP encoder + residual quantization, trained) | rqkmeans (residual k-means on the item
-    embeddings, no training: the centroid paper's SIDs)"""
+    """rqvae (TIGER: trained MLP encoder + residual quantization) | rqkmeans (residual k-means)"""
     collisions: Literal["suffix", "reassign"] = "suffix"
-    """suffix (TIGER's extra level numbering the items that share L codes) | reassign (exactly L codes: move
-    colliding items to free last-level codes, nearest first)"""
+    """suffix (TIGER's extra level numbering items with the same L codes) | reassign (L codes)"""
     levels: Annotated[int, ">= 1"] = 3
     """L, number of residual quantization levels (the collision suffix adds one more)"""
     codebook_size: Annotated[int, ">= 0"] = 0
@@ -86,95 +71,142 @@ class Args:
     beta: float = 0.25
     """commitment weight"""
     kmeans_iters: Annotated[int, ">= 0"] = 25
-    """Lloyd iterations of the k-means codebook init (rqvae) or of each level's k-means (rqkmeans)"""
+    """Lloyd iterations of each level's k-means (the codebook init of rqvae; rqkmeans)"""
     reseed_every: Annotated[int, ">= 0"] = 100
     """re-seed codes unused for this many steps (0 = never)"""
     log_every: Annotated[int, ">= 1"] = 250
     """steps between log lines"""
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     """auto = cuda, else mps, else cpu"""
-    threads: Annotated[int, ">= 0"] = 1
-    """CPU threads for torch (0 = torch's default; this small MLP runs fastest on 1, esp. on a busy machine)"""
     seed: int = 0
     """seeds random, numpy and torch"""
 
 
-# ---------------------------------------------------------------------------------------------------
-# The math: k-means init, residual quantization, RQ-VAE, collision suffix, centroids
-# ---------------------------------------------------------------------------------------------------
-def kmeans(x, k: int, iters: int, gen: torch.Generator):
-    """k-means++ seeding + Lloyd iterations. x (n, D) -> centers (k, D), assignment (n,).
-    An empty cluster keeps its previous center; with n < k the extra centers repeat points (dead codes)."""
-    n = x.shape[0]
-    first = torch.randint(n, (1,), generator=gen, device="cpu").item()
-    centers = [x[first]]
-    d2 = ((x - x[first]) ** 2).sum(-1)                                        # (n,) distance to nearest center
-    for _ in range(1, k):
-        p = d2.double().cpu() if d2.sum() > 0 else torch.ones(n, dtype=torch.float64)
-        i = torch.multinomial(p / p.sum(), 1, generator=gen).item()           # D^2 sampling
-        centers.append(x[i])
-        d2 = torch.minimum(d2, ((x - x[i]) ** 2).sum(-1))
-    centers = torch.stack(centers)                                            # (k, D)
-    for _ in range(iters):
-        assign = torch.cdist(x, centers).argmin(1)                            # (n,)
-        sums = torch.zeros_like(centers).index_add_(0, assign, x)             # (k, D)
-        counts = torch.bincount(assign, minlength=k).unsqueeze(1)             # (k, 1)
-        centers = torch.where(counts > 0, sums / counts.clamp(min=1), centers)
-    return centers, torch.cdist(x, centers).argmin(1)
-
-
+# --- The paper step: residual quantization (TIGER eq. 1), residual k-means, the RQ-VAE ----------
 def residual_quantize(z, codebooks):
-    """z (B, D), codebooks (L, K, D) -> codes (B, L), z_q = sum_l e^l_{c_l} (B, D), residuals [r_0..r_L].
-    Codewords enter the residual chain detached: r_{l+1} = r_l - sg[e^l_{c_l}] (gradients reach z only)."""
+    """Eq. 1. z (B, D), codebooks (L, K, D) -> codes (B, L), z_q (B, D), [r_0..r_L]; sg[e] in r."""
     r, codes, z_q, residuals = z, [], torch.zeros_like(z), [z]
-    for cb in codebooks:                                                      # cb (K, D)
-        c = torch.cdist(r.detach(), cb.detach()).argmin(1)                    # c_l = argmin_k ||r_l - e_k||  (B,)
-        e = cb[c]                                                             # e^l_{c_l}  (B, D)
-        z_q = z_q + e                                                         # z_q = sum_l e^l_{c_l}
-        r = r - e.detach()                                                    # r_{l+1} = r_l - e  (B, D)
+    for cb in codebooks:                                                   # cb (K, D)
+        c = torch.cdist(r.detach(), cb.detach()).argmin(1)                 # c_l (B,)
+        e = cb[c]                                                          # e^l_{c_l}  (B, D)
+        z_q = z_q + e                                                      # z_q = sum_l e^l_{c_l}
+        r = r - e.detach()                                                 # r_{l+1} = r_l - e
         codes.append(c)
         residuals.append(r)
     return torch.stack(codes, 1), z_q, residuals
 
 
-def mlp(widths):
-    layers = []
-    for a, b in zip(widths[:-1], widths[1:]):
-        layers += [nn.Linear(a, b), nn.SiLU()]
-    return nn.Sequential(*layers[:-1])                                        # no activation on the output
+def kmeans(x, k: int, iters: int, gen: torch.Generator):
+    """k-means++ seeding + Lloyd iterations. x (n, D) -> centers (k, D), assignment (n,)."""
+    n = x.shape[0]
+    first = torch.randint(n, (1,), generator=gen, device="cpu").item()
+    centers = [x[first]]
+    d2 = ((x - x[first]) ** 2).sum(-1)                                     # (n,) to nearest center
+    for _ in range(1, k):
+        p = d2.double().cpu() if d2.sum() > 0 else torch.ones(n, dtype=torch.float64)  # n < k
+        i = torch.multinomial(p / p.sum(), 1, generator=gen).item()        # D^2 sampling
+        centers.append(x[i])
+        d2 = torch.minimum(d2, ((x - x[i]) ** 2).sum(-1))
+    centers = torch.stack(centers)                                         # (k, D)
+    for _ in range(iters):
+        assign = torch.cdist(x, centers).argmin(1)                         # (n,)
+        sums = torch.zeros_like(centers).index_add_(0, assign, x)          # (k, D)
+        counts = torch.bincount(assign, minlength=k).unsqueeze(1)          # (k, 1)
+        centers = torch.where(counts > 0, sums / counts.clamp(min=1), centers)  # empty: kept
+    return centers, torch.cdist(x, centers).argmin(1)
+
+
+def rq_kmeans(x, levels: int, k: int, iters: int, gen: torch.Generator):
+    """Residual k-means, level by level. x (N, d) -> codes (N, L), codebooks (L, K, d), [r_0..]"""
+    r, codes, books, residuals = x, [], [], [x]
+    for _ in range(levels):
+        centers, assign = kmeans(r, k, iters, gen)                         # c_l
+        r = r - centers[assign]                                            # r_{l+1} = r_l - e_{c_l}
+        codes.append(assign)
+        books.append(centers)
+        residuals.append(r)
+    return torch.stack(codes, 1), torch.stack(books), residuals
 
 
 class RQVAE(nn.Module):
     def __init__(self, d: int, hidden, latent: int, levels: int, k: int):
         super().__init__()
-        self.encoder = mlp([d, *hidden, latent])
-        self.decoder = mlp([latent, *reversed(hidden), d])
-        self.codebooks = nn.Parameter(torch.zeros(levels, k, latent))          # e^l_k  (L, K, D)
+        pairs = lambda w: [m for a, b in zip(w, w[1:]) for m in (nn.Linear(a, b), nn.SiLU())]
+        self.encoder = nn.Sequential(*pairs([d, *hidden, latent])[:-1])   # no output activation
+        self.decoder = nn.Sequential(*pairs([latent, *reversed(hidden), d])[:-1])
+        self.codebooks = nn.Parameter(torch.zeros(levels, k, latent))       # e^l_k  (L, K, D)
 
     @torch.no_grad()
     def kmeans_init(self, x, iters: int, gen: torch.Generator):
-        """Each level's codebook = k-means centers of that level's residuals on x (the first batch)."""
-        r = self.encoder(x)
-        for l in range(self.codebooks.shape[0]):
-            centers, assign = kmeans(r, self.codebooks.shape[1], iters, gen)
-            self.codebooks.data[l] = centers
-            r = r - centers[assign]
+        """Codebooks = residual k-means of enc(x), level by level (x: the first batch)."""
+        L, K, _ = self.codebooks.shape
+        self.codebooks.data[:] = rq_kmeans(self.encoder(x), L, K, iters, gen)[1]
 
     def forward(self, x, beta: float):
-        z = self.encoder(x)                                                   # (B, D)
+        z = self.encoder(x)                                                # (B, D)
         codes, z_q, residuals = residual_quantize(z, self.codebooks)
-        x_hat = self.decoder(z + (z_q - z).detach())                          # straight-through  (B, d)
-        recon = ((x - x_hat) ** 2).sum(-1).mean()                             # ||x - x_hat||^2
+        x_hat = self.decoder(z + (z_q - z).detach())                       # straight-through
+        recon = ((x - x_hat) ** 2).sum(-1).mean()                          # ||x - x_hat||^2
         quant = 0.0
         for l in range(self.codebooks.shape[0]):
-            e, r = self.codebooks[l][codes[:, l]], residuals[l]               # (B, D) each
-            quant = quant + ((r.detach() - e) ** 2).sum(-1).mean()            # codebook: ||sg[r_l] - e||^2
-            quant = quant + beta * ((r - e.detach()) ** 2).sum(-1).mean()     # commitment: beta ||r_l - sg[e]||^2
+            e, r = self.codebooks[l][codes[:, l]], residuals[l]            # (B, D) each
+            quant = quant + ((r.detach() - e) ** 2).sum(-1).mean()         # ||sg[r_l] - e||^2
+            quant = quant + beta * ((r - e.detach()) ** 2).sum(-1).mean()  # beta ||r_l - sg[e]||^2
         return recon + quant, recon, x_hat, codes, residuals
 
 
+def train_rqvae(args: Args, x_all, K: int, hidden, gen):
+    """k-means init on the first batch, AdamW on the loss, dead codes re-seeded; then every item
+    encoded. -> codes (N, L), codebooks, [r_0..r_L], x_hat (N, d), #re-seeded codes, state_dict"""
+    N, d, device = *x_all.shape, x_all.device
+    model = RQVAE(d, hidden, args.latent_dim, args.levels, K).to(device)
+    perm, pos = torch.randperm(N, generator=gen), 0
+    first = perm[:max(args.batch_size, min(N, K))].to(device)             # >= K items if N allows
+    model.kmeans_init(x_all[first], args.kmeans_iters, gen)
+    decay = [p for n, p in model.named_parameters() if n != "codebooks" and p.dim() > 1]
+    rest = [p for n, p in model.named_parameters() if n == "codebooks" or p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=args.lr)
+    used = logged = torch.zeros(args.levels, K, dtype=torch.bool, device=device)  # rebound below
+    t_log, last_log, reseeded = time.time(), 0, 0
+    for step in range(1, args.steps + 1):
+        if pos + args.batch_size > N and pos > 0:                           # new epoch, new order
+            perm, pos = torch.randperm(N, generator=gen), 0
+        x = x_all[perm[pos:pos + args.batch_size].to(device)]               # (B, d)
+        pos += args.batch_size
+        loss, recon, x_hat, codes, residuals = model(x, args.beta)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        hit = nn.functional.one_hot(codes, K).any(0)                        # (L, K)
+        used, logged = used | hit, logged | hit                   # picked since the re-seed / log
+        if args.reseed_every and step % args.reseed_every == 0 and step < args.steps:
+            for l in range(args.levels):                                    # dead <- residuals
+                dead = (~used[l]).nonzero().squeeze(1)
+                pick = torch.randint(len(x), (len(dead),), generator=gen).to(device)
+                model.codebooks.data[l, dead] = residuals[l].detach()[pick]
+                reseeded += len(dead)
+            used.zero_()
+        if step % args.log_every == 0 or step == args.steps:
+            mse = nn.functional.mse_loss(x_hat.detach(), x).item()
+            usage = "/".join(f"{u:.2f}" for u in logged.float().mean(1).tolist())
+            ms = (time.time() - t_log) * 1000 / (step - last_log)
+            quant = loss.item() - recon.item()
+            print(f"step {step:5d} | loss {loss.item():.4f} (quant {quant:.4f}) | "
+                  f"recon_mse {mse:.2e} | lr {args.lr:.1e} | {ms:.1f} ms/step | usage {usage} | "
+                  f"re-seeded {reseeded}", flush=True)
+            logged.zero_()
+            t_log, last_log = time.time(), step
+    with torch.no_grad():                                                  # encode every item
+        codes, z_q, residuals = residual_quantize(model.eval().encoder(x_all), model.codebooks)
+        x_hat, books = model.decoder(z_q), model.codebooks.detach()
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    return codes, books, residuals, x_hat, reseeded, state
+
+
+# --- Unique SIDs: TIGER's collision suffix, or re-assignment (--collisions reassign); centroids ---
 def collision_suffix(codes: np.ndarray) -> np.ndarray:
-    """TIGER's extra level: s_i = #earlier items (lower index) with the same codes (N, L) -> (N,). Stable."""
+    """TIGER's extra level: s_i = #earlier items with the same codes. (N, L) -> (N,)"""
     suffix, seen = np.zeros(len(codes), np.int64), {}
     for i, key in enumerate(map(tuple, codes.tolist())):
         suffix[i] = seen.get(key, 0)
@@ -182,222 +214,142 @@ def collision_suffix(codes: np.ndarray) -> np.ndarray:
     return suffix
 
 
-def rq_kmeans(x, levels: int, k: int, iters: int, gen: torch.Generator):
-    """Residual k-means: k-means on the embeddings, then on what is left, level by level.
-    x (N, d) -> codes (N, L), codebooks (L, K, d), residuals [r_0 = x, r_1, .., r_L] (each (N, d))."""
-    r, codes, books, residuals = x, [], [], [x]
-    for _ in range(levels):
-        centers, assign = kmeans(r, k, iters, gen)                            # c_l = argmin_k ||r_l - e^l_k||
-        r = r - centers[assign]                                               # r_{l+1} = r_l - e^l_{c_l}
-        codes.append(assign)
-        books.append(centers)
-        residuals.append(r)
-    return torch.stack(codes, 1), torch.stack(books), residuals
-
-
 def reassign_collisions(codes: np.ndarray, r_last, codebook):
-    """Collision-free SIDs with exactly L codes. codes (N, L); r_last (N, D) = the residual each item had
-    at the last level; codebook (K, D) = that level's codewords. Among items sharing all L codes, the one
-    nearest the codeword keeps it; the others take last-level codes no item of their prefix (c_0..c_{L-2})
-    uses, the closest (item, free code) pair first (distance ||r - e_k||). Returns new codes, moved items
-    and the distances (N, K) it used (for the report)."""
+    """codes (N, L), r_last (N, D) the last level's residuals, codebook (K, D) its codewords. Of the
+    items sharing all L codes the nearest (||r - e_k||) keeps the code; the others take codes unused
+    under their prefix c_0..c_{L-2}, closest pair first. -> codes, moved items, distances (N, K)"""
     codes, K = codes.copy(), codebook.shape[0]
-    dist = torch.cdist(r_last.float(), codebook.float()).numpy()              # (N, K)
-    by_prefix = {}
+    dist = torch.cdist(r_last.float(), codebook.float()).numpy()           # (N, K)
+    by_prefix, moved = {}, []
     for i, key in enumerate(map(tuple, codes[:, :-1].tolist())):
         by_prefix.setdefault(key, []).append(i)
-    moved = []
-    for prefix, items in by_prefix.items():
-        if len(set(codes[items, -1].tolist())) == len(items):
-            continue                                                          # no collision under this prefix
+    for prefix, items in by_prefix.items():                                # no collision: no movers
         if len(items) > K:
-            die(f"{len(items)} items share the prefix {prefix} but the last level has {K} codes; use "
-                "--collisions suffix or a larger --codebook-size")
-        keep = {}                                                             # code -> the item nearest to it
-        for i in items:
-            c = codes[i, -1]
-            if c not in keep or dist[i, c] < dist[keep[c], c]:
-                keep[c] = i
+            die(f"{len(items)} items share the prefix {prefix} but the last level has {K} codes; "
+                "use --collisions suffix or a larger --codebook-size")
+        keep = {}                                                          # code -> nearest item
+        for i in sorted(items, key=lambda i: dist[i, codes[i, -1]]):       # stable: ties keep order
+            keep.setdefault(codes[i, -1], i)
         movers = [i for i in items if keep[codes[i, -1]] != i]
         free = [c for c in range(K) if c not in keep]
         while movers:
-            sub = dist[np.ix_(movers, free)]                                  # (movers, free codes)
+            sub = dist[np.ix_(movers, free)]                               # (movers, free codes)
             a, b = np.unravel_index(sub.argmin(), sub.shape)
             codes[movers[a], -1] = free.pop(b)
             moved.append(movers.pop(a))
     return codes, np.array(sorted(moved), dtype=np.int64), dist
 
 
+def unique_sids(args: Args, codes: np.ndarray, residuals, books, K: int, recon: dict):
+    """codes (N, L) -> SIDs (N, L+1) with the suffix or (N, L) re-assigned, the codebook size per
+    level, and the report (collisions, usage; reassign: items moved, their codeword distances)."""
+    N, L = codes.shape
+    group_sizes = np.unique(codes, axis=0, return_counts=True)[1]         # items per L-code tuple
+    n_groups, max_group = len(group_sizes), int(group_sizes.max())
+    collision_rate = 1.0 - n_groups / N                                    # share with suffix > 0
+    usage = [float(len(np.unique(codes[:, l]))) / K for l in range(L)]
+    moved, sizes = {}, [K] * L + ([max_group] if args.collisions == "suffix" else [])
+    if args.collisions == "suffix":
+        sids = np.concatenate([codes, collision_suffix(codes)[:, None]], 1)   # (N, L+1)
+    else:
+        sids, who, dist = reassign_collisions(codes, residuals[L - 1].cpu(), books[-1].cpu())
+        mean_dist = lambda c: float(dist[who, c].mean()) if len(who) else 0.0
+        moved = {"moved_items": len(who), "moved_share": round(len(who) / N, 6),
+                 "moved_mean_dist_before": mean_dist(codes[who, -1]),
+                 "moved_mean_dist_after": mean_dist(sids[who, -1]),
+                 "all_mean_dist": float(dist[np.arange(N), codes[:, -1]].mean())}
+    unique = len({tuple(r) for r in sids.tolist()})
+    print(f"codebook usage per level {' / '.join(f'{u:.3f}' for u in usage)}  "
+          f"recon_mse {recon['recon_mse']:.3e}  relative error {recon['recon_rel_err']:.3f}")
+    print(f"collision rate {collision_rate:.4f} ({N - n_groups} items share their {L} codes; "
+          f"largest group {max_group}) -> {N - unique} duplicate SIDs after the {args.collisions}")
+    if moved:
+        print(f"re-assigned {moved['moved_items']} items ({100 * moved['moved_share']:.1f}%) to "
+              f"free last-level codes: distance to their codeword "
+              f"{moved['moved_mean_dist_before']:.3f} -> {moved['moved_mean_dist_after']:.3f} "
+              f"(all items: {moved['all_mean_dist']:.3f})")
+    return sids, sizes, {**moved, "num_items": N, "unique_sids": unique,
+                         "collision_rate": round(collision_rate, 6),
+                         "max_collision_group": max_group, "codebook_usage": usage}
+
+
 def code_centroids(sids: np.ndarray, emb: np.ndarray, sizes):
-    """mu_{l,k} = mean of x_i over items with sids[i, l] == k -> ([K_l, d] per level, counts [K_l])."""
-    x = torch.from_numpy(emb)
-    cents, counts = [], []
+    """mu_{l,k} = mean of x_i over items with sids[i, l] == k -> ([K_l, d], [K_l] counts) per l"""
+    x, cents, counts = torch.from_numpy(emb), [], []
     for l, k in enumerate(sizes):
         c = torch.from_numpy(sids[:, l])
-        n = torch.bincount(c, minlength=k)                                    # (K_l,)
-        s = torch.zeros(k, x.shape[1]).index_add_(0, c, x)                    # (K_l, d)
-        cents.append(s / n.clamp(min=1).unsqueeze(1).float())                 # zero rows for unused codes
+        n = torch.bincount(c, minlength=k)                                 # (K_l,)
+        s = torch.zeros(k, x.shape[1]).index_add_(0, c, x)                 # (K_l, d)
+        cents.append(s / n.clamp(min=1).unsqueeze(1).float())              # zero rows: unused codes
         counts.append(n)
     return cents, counts
 
 
-# ---------------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------------
-def load_embeddings(out_dir: str) -> np.ndarray:
-    path = os.path.join(out_dir, "item_emb.npy")
-    hint = "run 01_embed_items.py first (or pass --out-dir with its output)"
-    emb = load_npy(path, hint)
-    if emb.ndim != 2 or emb.shape[0] < 2 or not np.issubdtype(emb.dtype, np.floating) or not np.isfinite(emb).all():
-        die(f"{path} must be a finite float array [N, d] with N >= 2 (got {emb.dtype} {emb.shape}); {hint}")
-    ds_path = os.path.join(out_dir, "dataset.pt")
-    if os.path.exists(ds_path):
-        n = len(load_pt(ds_path, hint).get("item_ids", []))
-        if n != emb.shape[0]:
-            die(f"{path} has {emb.shape[0]} rows but {ds_path} has {n} items; re-run 01_embed_items.py")
-    return emb.astype(np.float32)
-
-
-# ---------------------------------------------------------------------------------------------------
-# main: train -> assign codes -> suffix -> centroids -> save
-# ---------------------------------------------------------------------------------------------------
-def train_rqvae(args: Args, x_all, K: int, hidden, gen):
-    """The RQ-VAE loop: k-means init on the first batch, AdamW on reconstruction + quantization losses,
-    dead codes re-seeded every --reseed-every steps. Returns the model and how many codes were re-seeded."""
-    N, d, device = *x_all.shape, x_all.device
-    model = RQVAE(d, hidden, args.latent_dim, args.levels, K).to(device)
-    perm, pos = torch.randperm(N, generator=gen), 0
-    model.kmeans_init(x_all[perm[:max(args.batch_size, min(N, K))].to(device)], args.kmeans_iters, gen)
-    decay = [p for n, p in model.named_parameters() if n != "codebooks" and p.dim() > 1]
-    rest = [p for n, p in model.named_parameters() if n == "codebooks" or p.dim() <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=args.lr)
-
-    used = torch.zeros(args.levels, K, dtype=torch.bool, device=device)        # picked since last re-seed check
-    logged = torch.zeros(args.levels, K, dtype=torch.bool, device=device)      # picked since last log line
-    t_log, last_log, reseeded = time.time(), 0, 0
-    for step in range(1, args.steps + 1):
-        if pos + args.batch_size > N and pos > 0:                              # new epoch, new order
-            perm, pos = torch.randperm(N, generator=gen), 0
-        idx = perm[pos:pos + args.batch_size].to(device)
-        pos += args.batch_size
-        x = x_all[idx]                                                          # (B, d)
-        loss, recon, x_hat, codes, residuals = model(x, args.beta)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        for l in range(args.levels):
-            used[l, codes[:, l]] = True
-            logged[l, codes[:, l]] = True
-        if args.reseed_every and step % args.reseed_every == 0 and step < args.steps:
-            with torch.no_grad():                                              # dead codes <- random residuals
-                for l in range(args.levels):
-                    dead = (~used[l]).nonzero().squeeze(1)
-                    if len(dead):
-                        pick = torch.randint(len(x), (len(dead),), generator=gen).to(device)
-                        model.codebooks.data[l, dead] = residuals[l].detach()[pick]
-                        reseeded += len(dead)
-            used.zero_()
-        if step % args.log_every == 0 or step == args.steps:
-            mse = F.mse_loss(x_hat.detach(), x).item()
-            usage = "/".join(f"{u:.2f}" for u in logged.float().mean(1).tolist())
-            ms = (time.time() - t_log) * 1000 / (step - last_log)
-            print(f"step {step:5d} | loss {loss.item():.4f} (quant {loss.item() - recon.item():.4f}) | "
-                  f"recon_mse {mse:.2e} | lr {args.lr:.1e} | "
-                  f"{ms:.1f} ms/step | usage {usage} | re-seeded {reseeded}", flush=True)
-            logged.zero_()
-            t_log, last_log = time.time(), step
-    return model.eval(), reseeded
-
-
+# --- main: embeddings -> codes -> unique SIDs -> centroids -> save --------------------------------
 def main():
     args = parse_args()
     t0 = time.time()
     seed_everything(args.seed)
     out_dir = args.out_dir or os.path.join("out", args.dataset)
     device = pick_device(args.device)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(CPU_THREADS)
     print(f"device {device}  dtype float32  threads {torch.get_num_threads()}")
     try:
         hidden = [int(h) for h in args.hidden.split(",") if h.strip()]
     except ValueError:
         die(f"--hidden must be comma-separated ints, got {args.hidden!r}")
-
-    emb = load_embeddings(out_dir)                                             # (N, d)
+    emb = load_embeddings(out_dir)                                         # (N, d)
     N, d = emb.shape
-    K = args.codebook_size or (64 if N <= 4096 else 256)
+    K = args.codebook_size or (SMALL_K if N <= SMALL_CATALOG else LARGE_K)
     x_all = torch.from_numpy(emb).to(device)
-    gen = torch.Generator().manual_seed(args.seed)                             # batch order + k-means
-    print(f"items {N}  d {d}  {args.quantizer}  levels {args.levels} x {K} codes  collisions {args.collisions}")
-
-    # Quantize: train the RQ-VAE and encode every item, or residual k-means on the embeddings directly
+    gen = torch.Generator().manual_seed(args.seed)                         # batch order + k-means
+    print(f"items {N}  d {d}  {args.quantizer}  levels {args.levels} x {K} codes  "
+          f"collisions {args.collisions}")
     if args.quantizer == "rqvae":
-        model, reseeded = train_rqvae(args, x_all, K, hidden, gen)
-        with torch.no_grad():
-            codes, z_q, residuals = residual_quantize(model.encoder(x_all), model.codebooks)  # (N, L)
-            x_hat, books = model.decoder(z_q), model.codebooks.detach()
-        state = {k: v.cpu() for k, v in model.state_dict().items()}
+        codes, books, residuals, x_hat, reseeded, state = train_rqvae(args, x_all, K, hidden, gen)
     else:
         codes, books, residuals = rq_kmeans(x_all, args.levels, K, args.kmeans_iters, gen)
-        x_hat, reseeded, state = x_all - residuals[-1], 0, {}                 # x_hat = sum_l e^l_{c_l}
-    err = ((x_hat - x_all) ** 2).sum()                                         # sum_i ||x_i - x_hat_i||^2
-    recon_mse = (err / x_all.numel()).item()
-    recon_rel_err = (err / ((x_all - x_all.mean(0)) ** 2).sum()).item()        # 1 - R^2 of the reconstruction
-
-    # ------------------------------------------------------------------------------------------------
-    # Make every SID unique (suffix level or re-assignment), report, compute centroids
-    # ------------------------------------------------------------------------------------------------
-    codes = codes.cpu().numpy().astype(np.int64)
-    groups = {}
-    for key in map(tuple, codes.tolist()):
-        groups[key] = groups.get(key, 0) + 1
-    collision_rate = 1.0 - len(groups) / N                                     # share of items with suffix > 0
-    max_group = max(groups.values())
-    usage = [float(len(np.unique(codes[:, l]))) / K for l in range(args.levels)]
-    moved = {}
-    if args.collisions == "suffix":
-        sids = np.concatenate([codes, collision_suffix(codes)[:, None]], 1)   # (N, L+1)
-        sizes = [K] * args.levels + [max_group]
-    else:
-        r_last, book = residuals[args.levels - 1].cpu(), books[-1].cpu()
-        sids, who, dist = reassign_collisions(codes, r_last, book)            # (N, L), (M,), (N, K)
-        moved = {"moved_items": len(who), "moved_share": round(len(who) / N, 6),
-                 "moved_mean_dist_before": float(dist[who, codes[who, -1]].mean()) if len(who) else 0.0,
-                 "moved_mean_dist_after": float(dist[who, sids[who, -1]].mean()) if len(who) else 0.0,
-                 "all_mean_dist": float(dist[np.arange(N), codes[:, -1]].mean())}
-        sizes = [K] * args.levels
-    unique = len({tuple(r) for r in sids.tolist()})
-    print(f"codebook usage per level {' / '.join(f'{u:.3f}' for u in usage)}  recon_mse {recon_mse:.3e}  "
-          f"relative error {recon_rel_err:.3f}")
-    print(f"collision rate {collision_rate:.4f} ({N - len(groups)} items share their {args.levels} codes; "
-          f"largest group {max_group}) -> {N - unique} duplicate SIDs after the {args.collisions}")
-    if moved:
-        print(f"re-assigned {moved['moved_items']} items ({100 * moved['moved_share']:.1f}%) to free last-level "
-              f"codes: distance to their codeword {moved['moved_mean_dist_before']:.3f} -> "
-              f"{moved['moved_mean_dist_after']:.3f} (all items: {moved['all_mean_dist']:.3f})")
+        x_hat, reseeded, state = x_all - residuals[-1], 0, {}              # x_hat = sum_l e^l_{c_l}
+    err = ((x_hat - x_all) ** 2).sum()                                     # sum ||x - x_hat||^2
+    recon = {"recon_mse": (err / x_all.numel()).item(),
+             "recon_rel_err": (err / ((x_all - x_all.mean(0)) ** 2).sum()).item()}  # 1 - R^2
+    sids, sizes, stats = unique_sids(args, codes.cpu().numpy().astype(np.int64), residuals, books,
+                                     K, recon)
     cents, counts = code_centroids(sids, emb, sizes)
 
-    # ------------------------------------------------------------------------------------------------
-    # Save
-    # ------------------------------------------------------------------------------------------------
-    config = {"quantizer": args.quantizer, "collisions": args.collisions,
-              "d": d, "levels": args.levels, "codebook_size": K, "latent_dim": args.latent_dim, "hidden": hidden,
-              "beta": args.beta, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
-              "weight_decay": args.weight_decay, "kmeans_iters": args.kmeans_iters,
-              "reseed_every": args.reseed_every, "seed": args.seed}
+    config = {"quantizer": args.quantizer, "collisions": args.collisions, "d": d,
+              "levels": args.levels, "codebook_size": K, "latent_dim": args.latent_dim,
+              "hidden": hidden, "beta": args.beta, "steps": args.steps,
+              "batch_size": args.batch_size, "lr": args.lr, "weight_decay": args.weight_decay,
+              "kmeans_iters": args.kmeans_iters, "reseed_every": args.reseed_every,
+              "seed": args.seed}
     atomic_write(os.path.join(out_dir, "sids.npy"), lambda t: np.save(open(t, "wb"), sids))
-    atomic_write(os.path.join(out_dir, "centroids.pt"),
-                 lambda t: torch.save({"centroids": cents, "counts": counts, "codebook_sizes": sizes}, t))
+    atomic_write(os.path.join(out_dir, "centroids.pt"), lambda t: torch.save(
+        {"centroids": cents, "counts": counts, "codebook_sizes": sizes}, t))
     atomic_write(os.path.join(out_dir, "rqvae.pt"), lambda t: torch.save(
         {"config": config, "state_dict": state, "codebooks": [c.cpu().clone() for c in books]}, t))
-    summary = {"quantizer": args.quantizer, "collisions": args.collisions, **moved,
-               "num_items": N, "unique_sids": unique, "collision_rate": round(collision_rate, 6),
-               "max_collision_group": max_group, "codebook_usage": usage, "recon_mse": recon_mse,
-               "recon_rel_err": recon_rel_err, "codebook_sizes": sizes, "reseeded_codes": reseeded,
+    summary = {"quantizer": args.quantizer, "collisions": args.collisions, **stats, **recon,
+               "codebook_sizes": sizes, "reseeded_codes": reseeded,
                "seconds": round(time.time() - t0, 1)}
-    atomic_write(os.path.join(out_dir, "02_rqvae.json"), lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
-    print(f"wrote {out_dir}/sids.npy {sids.shape}, centroids.pt, rqvae.pt, 02_rqvae.json in {summary['seconds']} s")
+    atomic_write(os.path.join(out_dir, "02_rqvae.json"),
+                 lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
+    print(f"wrote {out_dir}/sids.npy {sids.shape}, centroids.pt, rqvae.pt, 02_rqvae.json "
+          f"in {summary['seconds']} s")
+
+
+# 01's output, checked before anything is written
+def load_embeddings(out_dir: str) -> np.ndarray:
+    path, ds_path = os.path.join(out_dir, "item_emb.npy"), os.path.join(out_dir, "dataset.pt")
+    hint = "run 01_embed_items.py first (or pass --out-dir with its output)"
+    emb = load_npy(path, hint)
+    if (emb.ndim != 2 or emb.shape[0] < 2 or not np.issubdtype(emb.dtype, np.floating)
+            or not np.isfinite(emb).all()):
+        die(f"{path} must be a finite float array [N, d] with N >= 2 "
+            f"(got {emb.dtype} {emb.shape}); {hint}")
+    n = len(load_pt(ds_path, hint).get("item_ids", [])) if os.path.exists(ds_path) else len(emb)
+    if n != emb.shape[0]:
+        die(f"{path} has {emb.shape[0]} rows but {ds_path} has {n} items; re-run 01_embed_items.py")
+    return emb.astype(np.float32)
 
 
 # --------------------------------------------------------------------------------------------------
