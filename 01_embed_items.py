@@ -45,7 +45,7 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 
-BEAUTY_DIR = os.path.join("..", "shared", "data", "amazon-beauty")
+BEAUTY_DIR = os.path.join("data", "amazon-beauty")  # README "Data" says how to get it
 MIN_INTERACTIONS = 3                    # leave-one-out needs one train, one valid and one test item
 
 

@@ -68,7 +68,7 @@ figures: setup
 # + SFT, evaluated on the first 1,000 test users (both protocols); docs/design.md has its numbers.
 BEAUTY = out/amazon-beauty
 run-beauty: setup
-	$(PY) 01_embed_items.py --dataset amazon-beauty --data-dir data/amazon-beauty --out-dir $(BEAUTY)
+	$(PY) 01_embed_items.py --dataset amazon-beauty --out-dir $(BEAUTY)
 	$(PY) 02_rqvae.py --out-dir $(BEAUTY)
 	$(PY) 03_expand_vocab.py --out-dir $(BEAUTY) --model $(BACKBONE) --init centroid
 	$(PY) 04_ground.py --out-dir $(BEAUTY) --model $(BEAUTY)/models/centroid --steps 120

@@ -66,10 +66,12 @@ def main():
          f"SIDs: {s02['quantizer']}, codebooks {s02['codebook_sizes']}, {s02['unique_sids']} unique; "
          f"05: {s05['steps']} steps x {s05['batch_size']} examples "
          f"({s05['steps'] * s05['batch_size'] / max(1, s05['examples']):.2f} epochs).", "",
-         f"## Test, history excluded (`{model}/eval_test.json`)", "",
-         f"Leave-one-out test item, full ranking over all items by {ev['search']} search "
-         f"(beam {ev['beam']}), items the user has seen removed.", ""]
+         "## At a glance", "",
+         f"Test split, history excluded (`{model}/eval_test.json`): the leave-one-out test item of "
+         f"every user, ranked among all items by {ev['search']} search (beam {ev['beam']}), the items "
+         "the user has seen removed.", ""]
     L += table(ev)
+    glance = len(L)
     L += ["", f"## Test, history kept (`{model}/eval_test_keep.json`)", ""] + table(keep)
     L += ["", f"## 05's validation curve ({s05['val_examples']} users)", "",
           "| step | epochs | val loss | val SID-token accuracy |", "|---|---|---|---|"]
@@ -85,12 +87,15 @@ def main():
     steps += [("06_eval.py (both protocols)", ev["seconds"]), ("07_diagnose.py", s07["seconds"])]
     L += ["## Time per step", "", "| step | seconds |", "|---|---|"]
     L += [f"| {name} | {sec:.0f} |" for name, sec in steps]
-    L += [f"| total | {sum(s for _, s in steps):.0f} ({sum(s for _, s in steps) / 60:.1f} min) |", ""]
+    total = sum(s for _, s in steps)
+    L += [f"| total | {total:.0f} ({total / 60:.1f} min) |", ""]
+    L[glance:glance] = ["", f"Time of the steps (inside each script): {total / 60:.1f} min; "
+                        "validation curve and the other protocol below."]
     path = os.path.join(o, "summary.md")
     with open(path + ".tmp", "w") as f:
         f.write("\n".join(L))
     os.replace(path + ".tmp", path)
-    print("\n".join(L[L.index(f"## Test, history excluded (`{model}/eval_test.json`)"):]))
+    print("\n".join(L[L.index("## At a glance"):L.index("## Test, history kept " f"(`{model}/eval_test_keep.json`)")]))
     print(f"wrote {path}")
 
 

@@ -14,7 +14,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKBONE = os.path.join(REPO, "models", "SmolLM2-135M-Instruct")
 ML100K = os.path.join(REPO, "data", "ml-100k")
-BEAUTY = os.path.join(os.path.dirname(REPO), "shared", "data", "amazon-beauty")
+BEAUTY = os.path.join(REPO, "data", "amazon-beauty")          # make setup links a copy found beside the repo
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -38,7 +38,7 @@ def test_ml100k_counts_and_split():
     assert [ds["item_ids"][i] for i in ds["sequences"][ds["user_ids"].index("1")]] == [i for _, _, i in u1]
 
 
-@pytest.mark.skipif(not os.path.isdir(BEAUTY), reason="../shared/data/amazon-beauty not present")
+@pytest.mark.skipif(not os.path.isdir(BEAUTY), reason="data/amazon-beauty not present (README: Data)")
 def test_beauty_counts_and_text():
     ds = E.load_dataset(E.Args(dataset="amazon-beauty", data_dir=BEAUTY))
     assert len(ds["user_ids"]) == 22_363 and len(ds["item_ids"]) == 12_101

@@ -211,3 +211,36 @@ def test_save_folder_survives_a_kill_between_renames(tmp_path):
     sft.save_folder(dst, model, tok, {"a.json": json.dumps({"v": 2})})
     assert json.load(open(os.path.join(dst, "a.json"))) == {"v": 2}
     assert sorted(os.listdir(tmp_path)) == ["m", "tiny"]
+
+
+class FakeLM(torch.nn.Module):
+    """Stands in for a causal LM: fixed hidden states (B, T, d) and a bias-free head over V tokens."""
+
+    def __init__(self, h, vocab):
+        super().__init__()
+        self.h, self.head = h, torch.nn.Linear(h.shape[-1], vocab, bias=False)
+
+    def base_model(self, **kw):
+        return type("Out", (), {"last_hidden_state": self.h})
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+@pytest.mark.parametrize("softmax", ["full", "sid", "level"])
+def test_sid_loss_normalizes_over_the_vocabulary_the_sid_tokens_or_the_level(softmax):
+    """SIDLoss by hand: a target's -log p is taken over all V tokens (full), the SID columns (sid) or
+    the columns of the target's own level (level). Level a = tokens 5-7, level b = tokens 8-9."""
+    sft = load_script("05_sft.py")
+    torch.manual_seed(0)
+    lm = FakeLM(torch.randn(1, 3, 4), vocab=12)
+    loss_fn = sft.SIDLoss(lm, softmax, [torch.tensor([5, 6, 7]), torch.tensor([8, 9])])
+    labels = torch.tensor([[sft.IGNORE, 6, 9]])                    # position 1: <a>, position 2: <b>
+    loss, hits = loss_fn(None, None, None, labels)
+    z = lm.head(lm.h[0])                                           # (T, V)
+    cols = {"full": [list(range(12))] * 2, "sid": [[5, 6, 7, 8, 9]] * 2,
+            "level": [[5, 6, 7], [8, 9]]}[softmax]
+    want = sum(-torch.log_softmax(z[t, c], 0)[c.index(y)] for t, c, y in ((1, cols[0], 6), (2, cols[1], 9)))
+    assert torch.allclose(loss, want, atol=1e-5), (loss, want)
+    assert hits.tolist() == [int(z[1, cols[0]].argmax()) == cols[0].index(6),
+                             int(z[2, cols[1]].argmax()) == cols[1].index(9)]
