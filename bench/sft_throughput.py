@@ -35,7 +35,7 @@ class Args:
     batch: int = 8
     """sequence windows per step (05's default --batch-size)"""
     prompt_batch: int = 16
-    """instruction rows per step for the prompt objective (05's former default)"""
+    """instruction rows per step for the prompt objective (the LC-Rec / GTI instruction format)"""
     steps: int = 3
     """timed steps per configuration (after one warm-up step)"""
     max_history: int = 20
@@ -94,7 +94,7 @@ def main():
                       f"{items // args.steps:4d} target items/step  {items / t:7.1f} target items/s")
     print(f"sequence vs prompt at softmax full, {default_dtype}: "
           f"{res['sequence', 'full', default_dtype] / res['prompt', 'full', default_dtype]:.1f}x; "
-          f"05's default (sequence, level, {default_dtype}) vs the former default (prompt, full, float32): "
+          f"05's default (sequence, level, {default_dtype}) vs instruction rows (prompt, full, float32): "
           f"{res['sequence', 'level', default_dtype] / res['prompt', 'full', 'float32']:.1f}x")
     print(f"sequence vs prompt: {res['sequence', 'level', default_dtype] / res['prompt', 'level', default_dtype]:.1f}x "
           "target items/s")
