@@ -14,7 +14,7 @@ Rows (--objective), laid out exactly as 06_eval.py prompts the model (sft_config
         ids = template(SID(s_{i-H}) .. SID(s_{i-1})) SID(s_i) EOS,   loss on SID(s_i) + EOS only.
 Loss (--softmax full | sid | level, see SIDLoss): the SID targets normalized over the vocabulary,
 over the SID tokens, or over the target level's codes; 06 scores with the same one.
-    lr(step) = lr * (step+1) / warmup for step < warmup, then cosine from lr to lr * --min-lr-frac
+    lr(step) = lr * (step+1) / warmup for step < warmup, then cosine from lr to lr * MIN_LR_FRAC
 The validation item (s_u[-2]) only feeds the validation loss that picks the best checkpoint; the
 test item (s_u[-1]) is never read. SID tokens are inserted as ids, never tokenized from text.
 
@@ -86,14 +86,8 @@ class Args:
     """micro-steps per optimizer step"""
     lr: Annotated[float, "> 0"] = 1e-3
     """peak learning rate (AdamW)"""
-    min_lr_frac: float = 0.1
-    """cosine schedule ends at lr * min_lr_frac"""
     warmup: Annotated[int, ">= 0"] = 20
     """linear warmup steps"""
-    weight_decay: float = 0.01
-    """AdamW weight decay"""
-    clip: float = 1.0
-    """gradient-norm clipping (0: off)"""
     eval_every: Annotated[int, ">= 1"] = 110
     """validation loss, best-model save and resume checkpoint every N steps"""
     val_examples: Annotated[int, ">= 0"] = 128
@@ -125,6 +119,9 @@ AUX_TEMPLATES = {TEXT_TO_SID: "Item: {text}\nSemantic ID:",
                  SID_TO_TEXT: "Semantic ID: {sid}\nItem:"}
 AUX_TEXT_TOKENS = 32          # an auxiliary row keeps the first 32 tokens of the item text
 IGNORE = -100                 # the label of a position that is not supervised
+MIN_LR_FRAC = 0.1             # the cosine schedule ends at lr * MIN_LR_FRAC
+WEIGHT_DECAY = 0.01           # AdamW, on the matrices only
+CLIP = 1.0                    # gradient-norm clipping
 
 
 def build_examples(train, num_items: int, objective: str, max_history: int, aux_ratio: float,
@@ -285,7 +282,7 @@ def lr_lambda(args, total):
             return (step + 1) / args.warmup
         p = (step - args.warmup) / max(1, total - args.warmup)
         cos = 1 + math.cos(math.pi * min(1.0, p))                   # 2 -> 0 over the run
-        return args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * cos
+        return MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * cos
     return f
 
 
@@ -398,7 +395,7 @@ def sft_optimizer(args, model, device):
     """AdamW; weight decay on the matrices only (not on norms and biases)."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+    return torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
                               {"params": no_decay, "weight_decay": 0.0}], lr=args.lr,
                              betas=(0.9, 0.95), fused=device.type in ("cuda", "cpu"))  # fused
 
@@ -479,7 +476,7 @@ def sft_step(args, run, rows, step, perms, model, train_model, opt, sched):
                 loss, _ = train_model(ids, mask, pos, labels)
             (loss * run.world / n[0]).backward()   # DDP averages over processes: sum / all targets
         tot += loss.detach().double()
-    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
@@ -545,8 +542,8 @@ def grad_sync(train_model, last: bool):
 
 # Resume: the whole training state in <save>.resume.pt, written at each validation
 RESUME_KEYS = ("model", "objective", "softmax", "template", "max_history", "aux_tasks", "aux_ratio",
-               "steps", "epochs", "batch_size", "grad_accum", "lr", "min_lr_frac", "warmup",
-               "weight_decay", "clip", "eval_every", "val_examples", "dtype", "seed")  # must match
+               "steps", "epochs", "batch_size", "grad_accum", "lr", "warmup", "eval_every",
+               "val_examples", "dtype", "seed")                               # must match
 
 
 def save_resume(path, model, opt, sched, state, key: dict, device):

@@ -28,10 +28,15 @@ def script(name):
     return mod
 
 
-def short(ids, tok, keep=6):
-    """Decoded ids; a long run of SID tokens is cut to its first and last items."""
-    text = tok.decode(ids)
-    return text if len(ids) <= 3 * keep * 4 else tok.decode(ids[:keep * 4]) + " ... " + tok.decode(ids[-keep * 4:])
+def sid_lines(ids, tok, L, per_line=4, head=2, tail=1):
+    """Decoded ids: the text before the first SID token, then the SIDs `per_line` items a line,
+    the middle lines elided (an item is L tokens)."""
+    first = next(i for i, t in enumerate(ids) if tok.convert_ids_to_tokens(t).startswith("<"))
+    sids = ids[first:]
+    lines = [tok.decode(sids[i:i + per_line * L]) for i in range(0, len(sids), per_line * L)]
+    if len(lines) > head + tail + 1:
+        lines = lines[:head] + [f"... ({len(lines) - head - tail} more lines) ..."] + lines[-tail:]
+    return [f"{tok.decode(ids[:first])!r} = ids {ids[:first]}"] + lines
 
 
 def main():
@@ -63,7 +68,7 @@ def main():
     for l in range(1, codes.shape[1] + 1):
         same = np.flatnonzero((codes[:, :l] == codes[item, :l]).all(1))
         other = [i for i in same if i != item][:2]
-        ex = "; ".join(f"`{texts[i][:40]}`" for i in other)
+        ex = "; ".join(f"`{texts[i].split('. Genres')[0]}`" for i in other)
         n = f"{len(same)} items" if len(same) > 1 else "this item only"
         L.append(f"- `{''.join(names[:l])}`: {n}" + (f", e.g. {ex}" if ex else ""))
     from safetensors.torch import load_file
@@ -83,11 +88,11 @@ def main():
     ids, is_target = enc(row)
     L += [f"**05 a training row** (user {row[1]}'s window of {sum(is_target) // codes.shape[1]} targets, "
           f"{len(ids)} tokens, {sum(is_target)} supervised; the item is one of the targets):", "", "```",
-          short(ids, tok), "```", ""]
+          *sid_lines(ids, tok, codes.shape[1]), "```", ""]
     hist = data["sequences"][u][:-1]
     prompt = ev.build_prompts(tok, cfg["template"], item_tok, [hist], cfg["max_history"])[0]
     L += [f"**06 the test prompt of user {u}** ({len(prompt)} tokens; the last {min(len(hist), cfg['max_history'])}"
-          f" of {len(hist)} history items):", "", "```", short(prompt, tok), "```", "",
+          f" of {len(hist)} history items):", "", "```", *sid_lines(prompt, tok, codes.shape[1]), "```", "",
           f"its last three movies: " + "; ".join(f"`{texts[i]}`" for i in hist[-3:]), "",
           "top-5 by constrained beam search (history excluded):", ""]
     for r, i in enumerate(topk[u, :5].tolist()):

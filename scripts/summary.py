@@ -25,13 +25,13 @@ def load(path, hint):
         sys.exit(f"error: {path}: {'not found' if not os.path.exists(path) else type(e).__name__}; {hint}")
 
 
-def table(ev):
+def table(ev, name):
     cols = [m for m in METRICS if m in ev["model"]]
-    rows = [("model (all, n={})".format(ev["users"]), ev["model"]), ("most popular", ev["most_popular"])]
+    rows = [(f"{name} (all, n={ev['users']})", ev["model"]), ("most popular", ev["most_popular"])]
     rows += [("SASRec", ev["sasrec"])] if "sasrec" in ev else []
     if ev.get("cold_users"):
         cold = f"cold: test item seen <= {ev['cold_max']} times, n={ev['cold_users']}"
-        rows += [(f"model ({cold})", ev["cold_model"]), ("most popular (cold)", ev["cold_most_popular"])]
+        rows += [(f"{name} ({cold})", ev["cold_model"]), ("most popular (cold)", ev["cold_most_popular"])]
         rows += [("SASRec (cold)", ev["cold_sasrec"])] if "cold_sasrec" in ev else []
     out = ["| | " + " | ".join(c.replace("recall", "Recall").replace("ndcg", "NDCG") for c in cols) + " |",
            "|---" * (len(cols) + 1) + "|"]
@@ -40,7 +40,7 @@ def table(ev):
     ci = [f"{k.replace('recall', 'Recall').replace('ndcg', 'NDCG')} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]"
           for k, v in diff.items() if k in ("recall@10", "ndcg@10")]
     if ci:
-        out += ["", "model - most popular (paired bootstrap over users, 95%): " + ", ".join(ci) + "."]
+        out += ["", f"{name} - most popular (paired bootstrap over users, 95%): " + ", ".join(ci) + "."]
     return out
 
 
@@ -70,9 +70,9 @@ def main():
          f"Test split, history excluded (`{model}/eval_test.json`): the leave-one-out test item of "
          f"every user, ranked among all items by {ev['search']} search (beam {ev['beam']}), the items "
          "the user has seen removed.", ""]
-    L += table(ev)
+    L += table(ev, os.path.basename(model.rstrip('/')))
     glance = len(L)
-    L += ["", f"## Test, history kept (`{model}/eval_test_keep.json`)", ""] + table(keep)
+    L += ["", f"## Test, history kept (`{model}/eval_test_keep.json`)", ""] + table(keep, os.path.basename(model.rstrip('/')))
     L += ["", f"## 05's validation curve ({s05['val_examples']} users)", "",
           "| step | epochs | val loss | val SID-token accuracy |", "|---|---|---|---|"]
     for step, loss, acc in s05["val_curve"]:
@@ -89,8 +89,7 @@ def main():
     L += [f"| {name} | {sec:.0f} |" for name, sec in steps]
     total = sum(s for _, s in steps)
     L += [f"| total | {total:.0f} ({total / 60:.1f} min) |", ""]
-    L[glance:glance] = ["", f"Time of the steps (inside each script): {total / 60:.1f} min; "
-                        "validation curve and the other protocol below."]
+    L[glance:glance] = ["", f"Time of the steps, by their own clocks: {total / 60:.1f} min."]
     path = os.path.join(o, "summary.md")
     with open(path + ".tmp", "w") as f:
         f.write("\n".join(L))
