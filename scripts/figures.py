@@ -40,9 +40,7 @@ def main():
            title=f"SID rows ({len(rows)} tokens), centered: singular-value spectrum")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = a.save + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, a.save)
+    diag.atomic_write(a.save, lambda t: fig.savefig(t, dpi=110, format="png"))    # 07's own writer
     print(f"wrote {a.save}")
 
 

@@ -35,7 +35,7 @@ def table(ev, name):
         rows += [("SASRec (cold)", ev["cold_sasrec"])] if "cold_sasrec" in ev else []
     out = ["| | " + " | ".join(c.replace("recall", "Recall").replace("ndcg", "NDCG") for c in cols) + " |",
            "|---" * (len(cols) + 1) + "|"]
-    out += [f"| {name} | " + " | ".join(f"{m[c]:.4f}" for c in cols) + " |" for name, m in rows]
+    out += [f"| {label} | " + " | ".join(f"{m[c]:.4f}" for c in cols) + " |" for label, m in rows]
     diff = ev.get("model_minus_most_popular", {})
     ci = [f"{k.replace('recall', 'Recall').replace('ndcg', 'NDCG')} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]"
           for k, v in diff.items() if k in ("recall@10", "ndcg@10")]
@@ -52,10 +52,14 @@ def main():
     a = p.parse_args()
     o, model = a.out_dir, a.model or os.path.join(a.out_dir, "models", "centroid+gti+sft")
     grounded = model[:-len("+sft")] if model.endswith("+sft") else model
+    name = os.path.basename(model.rstrip("/"))
     hint = f"run `{a.command}` first"
+    s05 = load(f"{model}/05_sft.json", hint)
+    per_epoch = max(1, s05["examples"] + s05["aux_examples"])            # 05's epoch: every example once
+    epochs = lambda step: step * s05["batch_size"] * s05["grad_accum"] / per_epoch  # noqa: E731
     s01, s02 = load(f"{o}/01_embed_items.json", hint), load(f"{o}/02_rqvae.json", hint)
     s03, s07 = load(f"{o}/03_expand_vocab.json", hint), load(f"{o}/diagnostics.json", hint)
-    s04, s05 = load(f"{grounded}/04_ground.json", hint), load(f"{model}/05_sft.json", hint)
+    s04 = load(f"{grounded}/04_ground.json", hint)
     ev, keep = load(f"{model}/eval_test.json", hint), load(f"{model}/eval_test_keep.json", hint)
     sas = load(f"{o}/sasrec/eval_test.json", hint) if os.path.exists(f"{o}/sasrec/eval_test.json") else None
     L = [f"# `{a.command}`: what it measured ({s01['dataset']})", "",
@@ -64,20 +68,18 @@ def main():
          f"{ev.get('autocast', '')}).", "",
          f"{s01['num_users']} users, {s01['num_items']} items, {s01['num_interactions']} interactions; "
          f"SIDs: {s02['quantizer']}, codebooks {s02['codebook_sizes']}, {s02['unique_sids']} unique; "
-         f"05: {s05['steps']} steps x {s05['batch_size']} examples "
-         f"({s05['steps'] * s05['batch_size'] / max(1, s05['examples']):.2f} epochs).", "",
+         f"05: {s05['steps']} steps x {s05['batch_size']} examples ({epochs(s05['steps']):.2f} epochs).", "",
          "## At a glance", "",
          f"Test split, history excluded (`{model}/eval_test.json`): the leave-one-out test item of "
          f"every user, ranked among all items by {ev['search']} search (beam {ev['beam']}), the items "
          "the user has seen removed.", ""]
-    L += table(ev, os.path.basename(model.rstrip('/')))
-    glance = len(L)
-    L += ["", f"## Test, history kept (`{model}/eval_test_keep.json`)", ""] + table(keep, os.path.basename(model.rstrip('/')))
+    L += table(ev, name)
+    glance_end = len(L)
+    L += ["", f"## Test, history kept (`{model}/eval_test_keep.json`)", ""] + table(keep, name)
     L += ["", f"## 05's validation curve ({s05['val_examples']} users)", "",
           "| step | epochs | val loss | val SID-token accuracy |", "|---|---|---|---|"]
     for step, loss, acc in s05["val_curve"]:
-        ep = step * s05["batch_size"] / max(1, s05["examples"])
-        L.append(f"| {step} | {ep:.2f} | {loss:.3f} | {acc:.3f} |")
+        L.append(f"| {step} | {epochs(step):.2f} | {loss:.3f} | {acc:.3f} |")
     L += ["", f"best step {s05['best_step']} (lowest validation loss) is the saved model.", ""]
     t03 = sum(v["seconds"] for v in s03.values() if isinstance(v, dict) and "seconds" in v)
     steps = [("01_embed_items.py", s01["seconds"]), ("02_rqvae.py", s02["seconds"]),
@@ -89,12 +91,12 @@ def main():
     L += [f"| {name} | {sec:.0f} |" for name, sec in steps]
     total = sum(s for _, s in steps)
     L += [f"| total | {total:.0f} ({total / 60:.1f} min) |", ""]
-    L[glance:glance] = ["", f"Time of the steps, by their own clocks: {total / 60:.1f} min."]
+    L[glance_end:glance_end] = ["", f"Time of the steps, by their own clocks: {total / 60:.1f} min."]
     path = os.path.join(o, "summary.md")
     with open(path + ".tmp", "w") as f:
         f.write("\n".join(L))
     os.replace(path + ".tmp", path)
-    print("\n".join(L[L.index("## At a glance"):L.index("## Test, history kept " f"(`{model}/eval_test_keep.json`)")]))
+    print("\n".join(L[L.index("## At a glance"):glance_end + 2]))    # what the README shows
     print(f"wrote {path}")
 
 
