@@ -40,7 +40,8 @@ test-fast: setup
 
 # The pipeline on CPU: every step once, the SFT/eval chain on centroid init + GTI grounding, the SASRec
 # reference, then 06 under both protocols (history excluded and kept, one prefill for both) and 07.
-# 04 grounds 120 steps here (its default is 200) so that 01 -> 07 fits 20 min on 2 CPU cores.
+# 04 grounds 120 steps here (its default is 200) to keep 01 -> 07 near 20 min on 2 CPU cores
+# (the last fresh run: results/ml-100k_make_run.md).
 run: setup
 	$(PY) 01_embed_items.py --dataset $(DATASET) --out-dir $(OUT)
 	$(PY) 02_rqvae.py --out-dir $(OUT)
