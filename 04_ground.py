@@ -1,4 +1,4 @@
-"""Step 4: GTI grounding: train only the new SID rows on text <-> SID pairs, the LM frozen.
+"""Step 4: GTI grounding (only the new SID rows train) or CPT (every parameter), text <-> SID pairs.
 
 GTI (Chen et al. 2026, method section), between steps 03 and 05: freeze the LM and every pretrained
 row; train the new token rows (and an untied head's same rows) on next-token NLL over item texts:
@@ -6,10 +6,14 @@ row; train the new token rows (and an untied head's same rows) on next-token NLL
     SID -> text:  "Item <a_12><b_3><c_40><d_0> is" -> " <item text></s>"
     loss = - mean_{t in target} log p(y_t | y_<t)         (prompt positions masked with -100)
     g_W  <- g_W * m[:, None],  m_v = 1 iff token v is new   (row mask; AdamW, weight decay 0)
+--train all is continued pretraining (CPT, the centroid paper's alignment stage): the same pairs
+and loss, every parameter trained (lr 1e-4, warmup then cosine), counted in --epochs over the pairs.
 Reads:  <model> (03's folder, default <out-dir>/models/centroid), <out-dir>/dataset.pt
-Writes: <save> (default <model>+gti): model, tokenizer, sid_vocab.json, 04_ground.json
+Writes: <save> (default <model>+gti; --train all: <model>+cpt<E> at each of --save-epochs): model,
+        tokenizer, sid_vocab.json, 04_ground.json
 CPU:  python 04_ground.py --model out/ml-100k/models/centroid
 GPU:  python 04_ground.py --device cuda --steps 2000 --batch-size 64       (the same default model)
+CPT:  python 04_ground.py --model out/ml-100k/models/random --train all --epochs 4 --save-epochs 1,2
 Good run: the loss falls, held-out in-level accuracy beats chance, `pretrained rows unchanged: True`
 """
 import argparse
@@ -43,12 +47,18 @@ class Args:
     """03's folder to ground (default: <out-dir>/models/centroid)"""
     save: str = ""
     """output folder (default: <model>+gti)"""
+    train: Literal["rows", "all"] = "rows"
+    """rows: GTI, only the new rows (masked gradients) | all: CPT, every parameter"""
     steps: Annotated[int, ">= 1"] = 200
-    """optimizer steps"""
+    """optimizer steps (ignored when --epochs > 0)"""
+    epochs: Annotated[int, ">= 0"] = 0
+    """passes over the grounding pairs (sets the steps; 0: use --steps)"""
+    save_epochs: str = ""
+    """--train all: also save <model>+cpt<E> after each of these epochs (e.g. 1,2,4)"""
     batch_size: Annotated[int, ">= 1"] = 8
     """examples per step (text->SID and SID->text mixed)"""
-    lr: Annotated[float, "> 0"] = 1e-2
-    """peak learning rate of the new rows (AdamW)"""
+    lr: Annotated[float, ">= 0"] = 0.0
+    """peak learning rate (AdamW; 0: 1e-2 for --train rows, 1e-4 for all)"""
     warmup: Annotated[int, ">= 0"] = 10
     """linear warmup steps, then cosine decay to 0"""
     loss_average: Literal["tokens", "directions"] = "tokens"
@@ -140,9 +150,10 @@ def freeze_all_but_new_rows(model, new_ids: torch.Tensor):
     return trained, unchanged
 
 
-def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args):
+def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args, at_step=None):
     """The loop: pairs -> logits at the targets -> loss -> masked row update, AdamW with linear
-    warmup then cosine decay to 0. Returns the loss curve (a point per log line) and its seconds."""
+    warmup then cosine decay to 0; at_step(step) after each step. Returns the loss curve (a point
+    per log line) and its seconds. An epoch = len(pairs) // batch_size steps, then a reshuffle."""
     opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
                             fused=device.type in ("cuda", "cpu"))      # fused: one kernel per step
     w, decay = args.warmup, max(1, args.steps - args.warmup)
@@ -166,6 +177,8 @@ def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args):
             torch.nn.utils.clip_grad_norm_(trained, args.grad_clip)
         opt.step()
         sched.step()
+        if at_step:
+            at_step(step)
         run_loss += loss.item()
         run_hit += float((logits.argmax(-1) == y)[is_t2s].sum())
         run_n += float(is_t2s.sum())
@@ -208,13 +221,28 @@ def grounding_accuracy(model, pairs, level_ids, pad_id, device, ctx, bs=32):
             "chance_in_level": [round(1 / len(ids), 4) for ids in level_ids]}
 
 
+def parse_save_epochs(args):
+    """--save-epochs "1,2,4" -> {1, 2, 4}: whole epochs in 1 .. --epochs, only with --train all."""
+    try:
+        eps = {int(e) for e in args.save_epochs.split(",") if e.strip()}
+    except ValueError:
+        eps = {0}
+    if eps and (args.train != "all" or min(eps) < 1 or max(eps) > args.epochs):
+        die(f"--save-epochs {args.save_epochs!r}: whole epochs between 1 and --epochs "
+            f"({args.epochs}), with --train all")
+    return eps
+
+
 def main():
     args = parse_args()
     args.out_dir = args.out_dir or os.path.join("out", args.dataset)
     args.model = args.model or os.path.join(args.out_dir, "models", "centroid")
-    args.save = args.save or args.model.rstrip("/") + "+gti"
+    rows = args.train == "rows"
+    args.lr = args.lr or (1e-2 if rows else 1e-4)
+    args.save = args.save or args.model.rstrip("/") + ("+gti" if rows else f"+cpt{args.epochs}")
     if not 0 <= args.holdout_frac < 1:
         die(f"--holdout-frac {args.holdout_frac}: must be in [0, 1)")
+    save_epochs = parse_save_epochs(args)
     seed_everything(args.seed)
     device = pick_device(args.device)
     ctx, dtype_note = pick_autocast(args.dtype, device)
@@ -232,8 +260,13 @@ def main():
     pairs_of = lambda items: build_pairs(tok, texts, item_tids, items, args.max_text_tokens)
     pairs, scored = pairs_of(train_items), {"held_out": held, "seen": train_items}
     scored = {k: [p for p in pairs_of(its[:args.max_eval]) if p[2]] for k, its in scored.items()}
+    per_epoch = len(pairs) // args.batch_size                   # steps per pass over the pairs
+    if per_epoch < 1:
+        die(f"--batch-size {args.batch_size} exceeds the {len(pairs)} grounding pairs")
+    args.steps = args.epochs * per_epoch if args.epochs else args.steps
     print(f"{len(texts)} items: {len(train_items)} for grounding ({len(pairs)} pairs), "
-          f"{len(held)} held out; {len(new_ids)} trainable rows")
+          f"{len(held)} held out; train {args.train}: {args.steps} steps "
+          f"({args.steps / per_epoch:.2f} epochs)")
 
     def accuracy(when):                                         # 4. held-out (and seen) items
         acc[when] = {k: grounding_accuracy(model, p, level_ids, pad_id, device, ctx)
@@ -242,13 +275,27 @@ def main():
               f"in-level {acc[when]['held_out']['acc_in_level']}")
 
     acc = {}                                                    # 2.-3. loss and masked update
-    trained, unchanged = freeze_all_but_new_rows(model.to(device), new_ids.to(device))
+    if rows:                                                    # GTI: the new rows, masked
+        trained, unchanged = freeze_all_but_new_rows(model.to(device), new_ids.to(device))
+    else:                                                       # CPT: every parameter
+        trained, unchanged = list(model.to(device).requires_grad_(True).parameters()), None
+    files = {"sid_vocab.json": json.dumps(vocab)}
+
+    def at_step(step):                                          # CPT: folders at chosen epochs
+        e = step // per_epoch
+        if step % per_epoch == 0 and e in save_epochs and e != args.epochs:
+            info = {"train": "all", "epoch": e, "step": step, "args": dataclasses.asdict(args)}
+            dst = f"{args.model.rstrip('/')}+cpt{e}"
+            save_folder(dst, model, tok, {**files, "04_ground.json": json.dumps(info, indent=2)})
+            print(f"epoch {e}: saved {dst}", flush=True)
+
     accuracy("before")
-    curve, train_s = ground_rows(model, pairs, trained, g, pad_id, device, ctx, args)
+    curve, train_s = ground_rows(model, pairs, trained, g, pad_id, device, ctx, args, at_step)
     accuracy("after")
-    frozen_ok, moved = unchanged()
-    print(f"pretrained rows unchanged: {frozen_ok}; mean shift of the new rows {moved:.4f}")
-    if not frozen_ok:
+    frozen_ok, moved = unchanged() if rows else (None, 0.0)
+    if rows:
+        print(f"pretrained rows unchanged: {frozen_ok}; mean shift of the new rows {moved:.4f}")
+    if rows and not frozen_ok:
         die("pretrained parameters changed during grounding (this is a bug); nothing saved")
 
     # 5. save: the folder (with the same sid_vocab.json and this report), swapped in by save_folder
@@ -260,8 +307,7 @@ def main():
                  for key in ("acc", "acc_in_level") for when, a in acc.items()},
               "new_row_shift": round(moved, 4), "train_seconds": round(train_s, 1),
               "seconds": round(time.time() - t0, 1)}
-    save_folder(args.save, model, tok, {"sid_vocab.json": json.dumps(vocab),
-                                        "04_ground.json": json.dumps(report, indent=2)})
+    save_folder(args.save, model, tok, {**files, "04_ground.json": json.dumps(report, indent=2)})
     print(f"done in {time.time() - t0:.1f}s -> {args.save}")
 
 

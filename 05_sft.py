@@ -15,15 +15,16 @@ Rows (--objective), laid out exactly as 06_eval.py prompts the model (sft_config
 Loss (--softmax full | sid | level, see SIDLoss): the SID targets normalized over the vocabulary,
 over the SID tokens, or over the target level's codes; 06 scores with the same one.
     lr(step) = lr * (step+1) / warmup for step < warmup, then cosine from lr to lr * MIN_LR_FRAC
-The validation item (s_u[-2]) only feeds the validation loss that picks the best checkpoint; the
-test item (s_u[-1]) is never read. SID tokens are inserted as ids, never tokenized from text.
+The validation item (s_u[-2]) only feeds the validation loss (and, with --rank-users, 06's
+Recall/NDCG@10 on it) that picks the best checkpoint (--select); the test item is never read.
+SID tokens are inserted as ids, never tokenized from text.
 
 Reads:  --model (a 03/04 folder: HF model + tokenizer + sid_vocab.json with every item's SID),
         <out-dir>/dataset.pt (default --out-dir: the folder two levels above --model).
 Writes: --save (default <model>+sft): the best model (lowest validation loss) + tokenizer
         + sid_vocab.json + sft_config.json (objective, template, max_history, softmax; read by 06)
-        + 05_sft.json (loss curve, val curve, validation accuracy per target position, best step,
-        seconds); <save>.resume.pt while training (removed when the run finishes).
+        + 05_sft.json (loss curve, val curve [+ rank_curve: step, Recall@10, NDCG@10], accuracy
+        per target position, best step, seconds); <save>.resume.pt and <save>.rank while training.
 
 CPU:  python 05_sft.py --model out/ml-100k/models/centroid+gti
 GPU:  python 05_sft.py --model out/ml-100k/models/centroid+gti --device cuda --epochs 10 \
@@ -41,6 +42,7 @@ import math
 import os
 import random
 import shutil
+import subprocess
 import sys
 import time
 import typing
@@ -92,6 +94,12 @@ class Args:
     """validation loss, best-model save and resume checkpoint every N steps"""
     val_examples: Annotated[int, ">= 0"] = 128
     """validation examples (one per user, a fixed random subset; 0: all users)"""
+    rank_users: Annotated[int, ">= 0"] = 0
+    """at each validation 06_eval.py ranks the validation item of the first N users (0: off)"""
+    select: Literal["loss", "ndcg"] = "loss"
+    """keep the checkpoint of lowest validation loss, or of highest validation NDCG@10"""
+    patience: Annotated[int, ">= 0"] = 0
+    """stop when the --select metric has not improved for N validations (0: run every step)"""
     log_every: Annotated[int, ">= 1"] = 10
     """one log line every N steps"""
     resume: bool = False
@@ -340,7 +348,7 @@ def main():
         run.log(f"resumed from {run.ckpt} at step {state['step']}")
     train_model = wrap_ddp(loss_model, run.device)
     files = sft_files(args, run.template, vocab)
-    save_best = lambda: save_folder(run.save, model, tok, files)  # noqa: E731
+    save_best = lambda dst=run.save: save_folder(dst, model, tok, files)  # noqa: E731
     save_state = lambda: save_resume(  # noqa: E731
         run.ckpt, model, opt, sched, state, resume_key, run.device)
     if sft_loop(args, run, rows, state, total, model, train_model, opt, sched, save_best,
@@ -354,6 +362,8 @@ def sft_setup(args):
     """Processes (one, or torchrun's), device, autocast, the output paths and the seed."""
     if args.epochs < 0:
         die(f"--epochs {args.epochs}: must be >= 0")
+    if args.select == "ndcg" and not args.rank_users:
+        die("--select ndcg needs validation NDCG: pass --rank-users N (e.g. 943, all of ML-100K)")
     rank, world, device = start_processes(args.device)
     if args.batch_size % world:
         die(f"--batch-size {args.batch_size} must be divisible by the {world} processes")
@@ -369,7 +379,8 @@ def sft_setup(args):
     return SimpleNamespace(rank=rank, world=world, device=device, master=rank == 0,
                            log=print if rank == 0 else (lambda *a, **k: None),
                            per_rank=args.batch_size // world, ctx=ctx, dtype_note=dtype_note,
-                           save=save, ckpt=f"{save}.resume.pt", out_dir=out_dir, template=template)
+                           save=save, ckpt=f"{save}.resume.pt", out_dir=out_dir, template=template,
+                           rank_dir=f"{save}.rank")
 
 
 def sft_rows(args, run, tok, vocab, data, item_tok):
@@ -422,6 +433,11 @@ def sft_loop(args, run, rows, state, total, model, train_model, opt, sched, save
             validate_and_keep(args, run, rows, state, step, total, train_model, save_best,
                               save_state)
             t_start = t_log = time.time()
+            late = sum(1 for s, *_ in state["val_curve"] if s > state["best_step"])
+            if args.patience and late >= args.patience and step < total:
+                run.log(f"no better validation for {late} evaluations: stopping at step {step}")
+                state["stopped_at"] = step
+                return True
         if step == total:
             return True
         if args.stop_at and step == args.stop_at and step > first:
@@ -438,23 +454,54 @@ def sft_loop(args, run, rows, state, total, model, train_model, opt, sched, save
 
 
 def validate_and_keep(args, run, rows, state, step, total, train_model, save_best, save_state):
-    """Validation loss and accuracies; rank 0 saves the best model and the resumable state."""
+    """Validation loss and accuracies [+ 06's Recall/NDCG@10 on the validation item]; rank 0
+    saves the best model (by --select) and the resumable state."""
     vloss, vacc, vpos = validate(train_model, rows.val, run.per_rank, rows.pad_id, run.device,
                                  run.ctx, len(rows.positions), run.rank, run.world)
     state["val_curve"].append([step, round(vloss, 5), round(vacc, 5)])
     state["val_level_acc"].append([step, [round(x, 4) for x in vpos]])
-    better = vloss < state["best_val"]
+    ranked = ""
+    if args.rank_users:
+        recall, ndcg = rank_validation(args, run, state, save_best)
+        state.setdefault("rank_curve", []).append([step, recall, ndcg])
+        ranked = f" | val Recall@10 {recall:.4f} NDCG@10 {ndcg:.4f}"
+    score = -state["rank_curve"][-1][2] if args.select == "ndcg" else vloss   # lower is better
+    better = score < state.setdefault("best_score", state["best_val"])
     if better:
-        state["best_val"], state["best_step"] = vloss, step
+        state["best_score"], state["best_val"], state["best_step"] = score, vloss, step
         if run.master:
             save_best()
     run.log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f} ("
-            + " ".join(f"{n} {x:.2f}" for n, x in zip(rows.positions, vpos)) + ")"
+            + " ".join(f"{n} {x:.2f}" for n, x in zip(rows.positions, vpos)) + ")" + ranked
             + (" | best, saved" if better else ""))
     if run.master and args.resumable and 0 < step < total:     # the last step needs no resume state
         save_state()
     if dist.is_initialized():
         dist.barrier()
+
+
+def rank_validation(args, run, state, save_best):
+    """Rank 0 saves the model to <save>.rank and runs 06_eval.py on it: the validation item of the
+    first --rank-users users, history excluded, beam 20 (06's code and protocol; the test item is
+    not read). Returns (Recall@10, NDCG@10), the same on every process."""
+    res = [0.0, 0.0]
+    if run.master:
+        t = time.time()
+        save_best(run.rank_dir)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "06_eval.py")
+        cmd = [sys.executable, script, "--model", run.rank_dir, "--out-dir", run.out_dir,
+               "--split", "valid", "--protocol", "excluded", "--beam", "20", "--users",
+               str(args.rank_users), "--device", run.device.type, "--dtype", args.dtype]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
+            die(f"06_eval.py on {run.rank_dir} failed: {last}")
+        m = load_json(os.path.join(run.rank_dir, "eval_valid.json"), "rerun 05_sft.py")["model"]
+        res = [round(m["recall@10"], 5), round(m["ndcg@10"], 5)]
+        state["rank_seconds"] = state.get("rank_seconds", 0.0) + time.time() - t
+    if dist.is_initialized():
+        dist.broadcast_object_list(res, src=0)
+    return res
 
 
 def sft_step(args, run, rows, step, perms, model, train_model, opt, sched):
@@ -488,13 +535,17 @@ def sft_step(args, run, rows, step, perms, model, train_model, opt, sched):
 def write_sft_json(args, run, rows, state, total):
     """Rank 0: 05_sft.json beside the best model; the resume state is no longer needed."""
     summary = {"loss_curve": state["loss_curve"], "val_curve": state["val_curve"],
-               "best_step": state["best_step"], "val_level_acc": state["val_level_acc"],
+               "rank_curve": state.get("rank_curve", []), "rank_users": args.rank_users,
+               "select": args.select, "best_step": state["best_step"],
+               "stopped_at": state.get("stopped_at", total),
+               "val_level_acc": state["val_level_acc"],
                "val_level_names": rows.positions, "best_val_loss": state["best_val"],
                "steps": total, "examples": len(rows.rec), "target_items": rows.targets,
                "aux_examples": len(rows.aux), "val_examples": len(rows.val),
                "world_size": run.world, "batch_size": args.batch_size,
                "grad_accum": args.grad_accum, "seconds": round(state["seconds"], 1),
-               "s_per_step": round(state["seconds"] / max(1, total), 3),
+               "s_per_step": round(state["seconds"] / max(1, state["step"]), 3),
+               "rank_seconds": round(state.get("rank_seconds", 0.0), 1),
                "device": str(run.device), "autocast": run.dtype_note, "args": vars(args)}
     if not run.master:
         return
@@ -504,8 +555,10 @@ def write_sft_json(args, run, rows, state, total):
                  lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
     if os.path.exists(run.ckpt):
         os.remove(run.ckpt)
-    run.log(f"best step {state['best_step']} val loss {state['best_val']:.4f}  "
-            f"({summary['s_per_step']:.2f} s/step incl. validation)  saved {run.save}")
+    shutil.rmtree(run.rank_dir, ignore_errors=True)
+    by = f"val NDCG@10 {-state['best_score']:.4f}" if args.select == "ndcg" else "val loss"
+    run.log(f"best step {state['best_step']} ({by}) val loss {state['best_val']:.4f}  "
+            f"({summary['s_per_step']:.2f} s/step, validation not counted)  saved {run.save}")
 
 
 # --- Beyond the papers: several processes (torchrun + DDP) and resumable runs ---------------------
@@ -543,7 +596,7 @@ def grad_sync(train_model, last: bool):
 # Resume: the whole training state in <save>.resume.pt, written at each validation
 RESUME_KEYS = ("model", "objective", "softmax", "template", "max_history", "aux_tasks", "aux_ratio",
                "steps", "epochs", "batch_size", "grad_accum", "lr", "warmup", "eval_every",
-               "val_examples", "dtype", "seed")                               # must match
+               "val_examples", "rank_users", "select", "patience", "dtype", "seed")   # must match
 
 
 def save_resume(path, model, opt, sched, state, key: dict, device):

@@ -66,7 +66,8 @@ figures: setup
 	$(PY) scripts/figures.py --out-dir $(OUT) --save results/$(DATASET)_spectra.png
 
 # Amazon Beauty 5-core on CPU at a small documented budget (data in data/amazon-beauty): centroid init + GTI
-# + SFT, evaluated on the first 1,000 test users (both protocols); docs/design.md has its numbers.
+# + SFT, and the SASRec reference, evaluated on the first 1,000 test users (both protocols); docs/design.md
+# has its numbers.
 BEAUTY = out/amazon-beauty
 run-beauty: setup
 	$(PY) 01_embed_items.py --dataset amazon-beauty --out-dir $(BEAUTY)
@@ -74,6 +75,7 @@ run-beauty: setup
 	$(PY) 03_expand_vocab.py --out-dir $(BEAUTY) --model $(BACKBONE) --init centroid
 	$(PY) 04_ground.py --out-dir $(BEAUTY) --model $(BEAUTY)/models/centroid --steps 120
 	$(PY) 05_sft.py --out-dir $(BEAUTY) --model $(BEAUTY)/models/centroid+gti --batch-size 24 --steps 150 --eval-every 75
+	$(PY) baselines/sasrec.py --out-dir $(BEAUTY) --users 1000
 	$(PY) 06_eval.py --out-dir $(BEAUTY) --model $(BEAUTY)/models/centroid+gti+sft --users 1000
 
 # Beam-search benchmark (needs `make run`): ours vs generate(num_beams) vs forward floor vs the certified-exact
@@ -94,18 +96,21 @@ clean:
 # 03 -> (04) -> 05 -> 07 -> 06 at `make run`'s budget, then results/$(DATASET).md (claims table) + figures.
 # One seed is one piece of ~2.2 h on 2 CPU cores: `make study SEEDS=0`, then SEEDS=1, SEEDS=2. A killed piece
 # resumes when rerun (finished steps are skipped, 05 continues from its last validation). Every piece ends with
-# the report over all finished runs; `make study-report` redoes only the report; `make study-plan` prints the
+# the report over all finished runs (and scripts/power.py's MDE per claim: results/<dataset>_power.md);
+# `make study-report` redoes only the reports; `make study-plan` prints the
 # plan and its estimated CPU time. EXACT=1 adds 06 --search exact for seed 0 (~9 min per variant).
 SEEDS ?= 0,1,2
 STUDY  = scripts/study.py --dataset $(DATASET) --seeds $(SEEDS) $(if $(EXACT),--exact,)
 study: setup
 	nice $(PY) $(STUDY)
+	$(PY) scripts/power.py --dataset $(DATASET)
 
 study-plan: setup
 	$(PY) $(STUDY) --dry-run
 
 study-report: setup
 	$(PY) $(STUDY) --report-only
+	$(PY) scripts/power.py --dataset $(DATASET)
 
 study-gpu: setup
 	$(PY) $(STUDY) --device cuda

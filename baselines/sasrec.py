@@ -249,13 +249,14 @@ def main():
         if epoch % args.eval_every and epoch != args.epochs:
             continue
         topk = rank(model, train, args.max_len, 10, device, args.eval_batch, exclude=True)
-        r10 = ev.rank_metrics(topk, valid)["recall@10"]
-        val_curve.append([epoch, round(r10, 4)])
+        m = ev.rank_metrics(topk, valid)
+        r10 = m["recall@10"]
+        val_curve.append([epoch, round(r10, 4), round(m["ndcg@10"], 4)])        # epoch, R@10, NDCG@10
         s_ep = (time.time() - t_ep) / (epoch - (val_curve[-2][0] if len(val_curve) > 1 else 0))
         print(f"epoch {epoch} | loss {loss_sum / count:.4f} | val R@10 {r10:.4f} | {s_ep:.1f} s/epoch", flush=True)
         t_ep = time.time()
         if r10 > best:
-            best, best_epoch, bad = r10, epoch, 0
+            best, best_epoch, best_ndcg, bad = r10, epoch, m["ndcg@10"], 0
             best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         else:
             bad += 1
@@ -280,7 +281,8 @@ def main():
                                    "most_popular": ev.rank_metrics(ptk, targets),
                                    "cold_most_popular": ev.rank_metrics(ptk[cold], targets[cold])}
         atomic_write(os.path.join(save_dir, f"eval_test_topk_{proto}.npy"), lambda t: save_npy(t, topk))
-    res.update({"best_epoch": best_epoch, "best_val_recall@10": best, "epochs_run": epoch, "val_curve": val_curve,
+    res.update({"best_epoch": best_epoch, "best_val_recall@10": best, "best_val_ndcg@10": best_ndcg,
+                "epochs_run": epoch, "val_curve": val_curve,
                 "train_seconds": round(train_s, 2), "seconds": round(time.time() - t0, 2), "params": params,
                 "args": dataclasses.asdict(args)})
     config = {k: getattr(args, k) for k in ("max_len", "dim", "blocks", "heads", "dropout")} | {"num_items": n}

@@ -30,6 +30,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
 ev = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ev)                  # reuse 06's loader, prompts, trie and search (not a numbered step)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from flops import body_params, gflops, matmul_flops  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -112,6 +114,18 @@ def hf_generate(model, prompts, item_tok, beam, pad_id, batch_size):
     return items, scores
 
 
+def search_flops(prompts, batch_size, beam, body, d, head_cols):
+    """Model FLOPs of rank_all's passes (bench/flops.py): per batch of users sorted by length, a prefill
+    over B x P padded tokens + the head on B rows, then per later level B x beam tokens + the head on
+    as many rows; head_cols[l] = the columns scored at level l."""
+    lengths, flop = sorted(map(len, prompts)), 0.0
+    for s in range(0, len(lengths), batch_size):
+        B, P = len(lengths[s:s + batch_size]), max(lengths[s:s + batch_size])
+        flop += 2 * (body * B * P + d * head_cols[0] * B)
+        flop += sum(2 * (body + d * c) * B * beam for c in head_cols[1:])
+    return flop
+
+
 def overlap(a_items, a_scores, b_items, b_scores):
     """Mean share of b's items that a's list holds, and the largest score change of an item in both lists
     (the same item scored in batches of another shape: 0 in fp32 up to rounding, ~1e-3 nats under bf16)."""
@@ -170,6 +184,15 @@ def main():
         t_floor = min(t_floor, timed(lambda: forward_floor(model, prompts, L, args.beam, pad, args.batch_size))[0])
     print(f"ours (trie beam search)     {t_ours:8.2f} s   {1000 * t_ours / len(prompts):7.1f} ms/user")
     print(f"forward floor               {t_floor:8.2f} s   {1000 * t_floor / len(prompts):7.1f} ms/user")
+    body, (V, d) = body_params(model), model.get_output_embeddings().weight.shape
+    sizes = [len(t) for t in vocab["token_ids"]]
+    cols = {"full": [V] * L, "sid": [sum(sizes)] * L, "level": sizes}[args.softmax]
+    f_ours = search_flops(prompts, args.batch_size, args.beam, body, d, cols)
+    f_floor = search_flops(prompts, args.batch_size, args.beam, body, d, [V] * L)   # floor: full head
+    peak = matmul_flops(device, ctx)
+    print(f"model FLOP/s (2 x params x tokens, bench/flops.py): ours {gflops(f_ours / t_ours)} "
+          f"({f_ours / t_ours / peak:.0%}), floor {gflops(f_floor / t_floor)} ({f_floor / t_floor / peak:.0%}) "
+          f"of a 2048^3 matmul's {gflops(peak)} ({dtype_note})")
 
     # exact top-K (06 --search exact) and how many beam lists it confirms, at width K and a wider beam
     t_exact, [(x_items, x_scores, x_width)] = timed(lambda: ev.rank_all(

@@ -6,7 +6,8 @@ optimizer steps on the first batches of the seeded example stream, timed after o
   sequence : windows of <= max_history + 1 items, every item after the first a target, --batch rows a step
 each with --softmax full (the 49k-wide head on every supervised position) and level (the level's codes
 only), in float32 and, on CPUs with native bf16 (or CUDA), under bf16 autocast.
-Prints seconds per step and supervised target items per second; last line
+Prints seconds per step, supervised target items per second and the model FLOP/s (bench/flops.py)
+as a share of a 2048^3 matmul's in the same dtype, timed in the same run; last line
 `sequence vs prompt: X.Xx target items/s` (both at 05's default softmax and dtype).
 
 CPU:  python bench/sft_throughput.py --model out/ml-100k/models/centroid+gti
@@ -24,6 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("sft05", os.path.join(REPO, "05_sft.py"))
 sft = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sft)                 # reuse 05's loader, examples, collate and loss (not a numbered step)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from flops import body_params, gflops, matmul_flops  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -61,7 +64,11 @@ def main():
     default_dtype = dtypes[-1]
     print(f"device {device}  threads {torch.get_num_threads()}  dtypes {dtypes}  model {args.model}")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    res = {}
+    body, d = body_params(model), model.get_output_embeddings().weight.shape[1]
+    peak = {dtype: matmul_flops(device, sft.pick_autocast(dtype, device)[0]) for dtype in dtypes}
+    print(f"body parameters {body / 1e6:.1f}M; 2048^3 matmul: "
+          + ", ".join(f"{k} {gflops(v)}" for k, v in peak.items()))
+    res, fraction = {}, {}
     for objective in ("prompt", "sequence"):
         rec, _ = sft.build_examples(train, len(item_tok), objective, args.max_history, 0.0, 0)
         enc = sft.Encoder(tok, sft.TEMPLATES[objective], objective, item_tok, data["texts"], train, valid,
@@ -75,7 +82,7 @@ def main():
                 loss_model = sft.SIDLoss(model, softmax, level_tok).to(device)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
                 ctx = sft.pick_autocast(dtype, device)[0]
-                items, t = 0, 0.0
+                items, t, flop = 0, 0.0, 0.0
                 for s, batch in enumerate(batches):
                     ids, mask, pos, labels = (x.to(device) for x in batch)
                     sync()
@@ -88,14 +95,22 @@ def main():
                     sync()
                     if s > 0:                                                   # step 0 warms up
                         t += time.perf_counter() - t0
+                        col = loss_model.col_of[labels[labels != sft.IGNORE]]       # head rows
+                        sid_rows = int((col >= 0).sum()) if softmax != "full" else 0
+                        V, C = loss_model.col_of.shape[0], loss_model.cols.shape[0]
+                        flop += 6 * (body * ids.numel() + d * (C * sid_rows + V * (len(col) - sid_rows)))
                         items += len(hits) // (len(vocab["level_names"]) + (objective == "prompt"))
                 res[objective, softmax, dtype] = items / t
+                fraction[objective, softmax, dtype] = flop / t / peak[dtype]
                 print(f"{objective:8s} softmax {softmax:5s} {dtype:8s}  {t / args.steps:6.2f} s/step  "
-                      f"{items // args.steps:4d} target items/step  {items / t:7.1f} target items/s")
+                      f"{items // args.steps:4d} target items/step  {items / t:7.1f} target items/s  "
+                      f"{gflops(flop / t)} = {flop / t / peak[dtype]:.0%} of the matmul's")
     print(f"sequence vs prompt at softmax full, {default_dtype}: "
           f"{res['sequence', 'full', default_dtype] / res['prompt', 'full', default_dtype]:.1f}x; "
           f"05's default (sequence, level, {default_dtype}) vs instruction rows (prompt, full, float32): "
           f"{res['sequence', 'level', default_dtype] / res['prompt', 'full', 'float32']:.1f}x")
+    print(f"05's default (sequence, level, {default_dtype}) reaches "
+          f"{fraction['sequence', 'level', default_dtype]:.0%} of the {default_dtype} matmul's FLOP/s")
     print(f"sequence vs prompt: {res['sequence', 'level', default_dtype] / res['prompt', 'level', default_dtype]:.1f}x "
           "target items/s")
 

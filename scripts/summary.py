@@ -78,9 +78,15 @@ def main():
     L += ["", f"## Test, history kept (`{model}/eval_test_keep.json`)", ""] + table(keep, name)
     L += ["", f"## 05's validation curve ({s05['val_examples']} users)", "",
           "| step | epochs | val loss | val SID-token accuracy |", "|---|---|---|---|"]
+    ranked = {step: (r, n) for step, r, n in s05.get("rank_curve", [])}
+    if ranked:          # 05 --rank-users: 06's Recall/NDCG@10 on the validation item
+        L[-2:] = [L[-2][:-1] + f"| val Recall@10, NDCG@10 ({s05['rank_users']} users) |",
+                  "|---|---|---|---|---|"]
     for step, loss, acc in s05["val_curve"]:
-        L.append(f"| {step} | {epochs(step):.2f} | {loss:.3f} | {acc:.3f} |")
-    L += ["", f"best step {s05['best_step']} (lowest validation loss) is the saved model.", ""]
+        rn = " %.4f, %.4f |" % ranked[step] if step in ranked else ""
+        L.append(f"| {step} | {epochs(step):.2f} | {loss:.3f} | {acc:.3f} |" + rn)
+    by = "highest validation NDCG@10" if s05.get("select") == "ndcg" else "lowest validation loss"
+    L += ["", f"best step {s05['best_step']} ({by}) is the saved model.", ""]
     t03 = sum(v["seconds"] for v in s03.values() if isinstance(v, dict) and "seconds" in v)
     steps = [("01_embed_items.py", s01["seconds"]), ("02_rqvae.py", s02["seconds"]),
              ("03_expand_vocab.py (all inits)", t03), ("04_ground.py", s04["seconds"]),

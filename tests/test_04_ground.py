@@ -126,3 +126,29 @@ def test_bad_input_one_line(tmp_path, synthetic_out, tiny_model):
     err = assert_one_line_error(run("04_ground.py", "--out-dir", synthetic_out, "--model",
                                     os.path.join(synthetic_out, "models", "mean"), "--steps", 0, check=False))
     assert "--steps" in err
+
+
+def test_cpt_trains_every_parameter_and_saves_the_chosen_epochs(synthetic_out, tiny_model):
+    """--train all: every parameter tensor moves, the loss falls, an epoch is one pass over the pairs,
+    and --save-epochs leaves normal model folders (+cpt1, and the last epoch as --save)."""
+    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "centroid")
+    src = os.path.join(synthetic_out, "models", "centroid")
+    r = run("04_ground.py", "--out-dir", synthetic_out, "--model", src, "--train", "all", "--epochs", 3,
+            "--save-epochs", "1,3", "--batch-size", 8, "--lr", 3e-3, "--warmup", 2, "--log-every", 2,
+            "--max-eval", 8, "--holdout-frac", 0.0)
+    rep = json.load(open(os.path.join(src + "+cpt3", "04_ground.json")))
+    per_epoch = 2 * rep["items_grounded"] // 8                      # two pairs per item, 8 a step
+    assert rep["args"]["steps"] == 3 * per_epoch and rep["args"]["lr"] == 3e-3
+    mid = json.load(open(os.path.join(src + "+cpt1", "04_ground.json")))
+    assert mid["epoch"] == 1 and mid["step"] == per_epoch and "epoch 1: saved" in r.stdout
+    assert not os.path.exists(src + "+cpt2")
+    before, after = params(src), params(src + "+cpt3")
+    assert all(not torch.equal(before[n], after[n]) for n in before), [n for n in before if torch.equal(before[n], after[n])]
+    assert not torch.equal(params(src + "+cpt1")["model.norm.weight"], after["model.norm.weight"])
+    curve = rep["loss_curve"]
+    assert curve[-1]["loss"] < curve[0]["loss"], curve
+    assert json.load(open(os.path.join(src + "+cpt1", "sid_vocab.json"))) == json.load(open(os.path.join(src, "sid_vocab.json")))
+    for flag in (["--train", "all", "--epochs", 2, "--save-epochs", "3"], ["--train", "all", "--epochs", 2, "--save-epochs", "one"],
+                 ["--epochs", 2, "--save-epochs", "1"]):
+        err = assert_one_line_error(run("04_ground.py", "--out-dir", synthetic_out, "--model", src, *flag, check=False))
+        assert "--save-epochs" in err

@@ -180,6 +180,51 @@ def test_aux_tasks_and_custom_template_reach_06(sid_setup, tmp_path):
     assert "--template" in err
 
 
+def test_select_by_validation_ndcg_never_reads_the_test_item(sid_setup, tmp_path):
+    """--select ndcg: 06 ranks the validation item at each validation; the chosen checkpoint is the
+    first of highest NDCG@10. A dataset.pt whose test items are replaced by the validation items
+    gives the same curves and weights: were the test item read (e.g. into the excluded history),
+    the validation targets would be excluded and Recall would fall."""
+    import shutil
+    from safetensors.torch import load_file
+    out, _, model_dir = sid_setup
+    other = str(tmp_path / "other_out")
+    shutil.copytree(out, other, ignore=shutil.ignore_patterns("models"))
+    data = torch.load(os.path.join(out, "dataset.pt"), weights_only=True)
+    data["sequences"] = [s[:-1] + [s[-2]] for s in data["sequences"]]             # test := valid
+    data["test"] = data["valid"].clone()
+    torch.save(data, os.path.join(other, "dataset.pt"))
+    runs = {}
+    for name, o in (("a", out), ("b", other)):
+        dst = str(tmp_path / name)
+        r = run("05_sft.py", "--model", model_dir, "--out-dir", o, "--save", dst, *TINY,
+                "--select", "ndcg", "--rank-users", "40")
+        assert "val NDCG@10" in r.stdout and not os.path.exists(dst + ".rank")
+        runs[name] = json.load(open(os.path.join(dst, "05_sft.json"))), load_file(
+            os.path.join(dst, "model.safetensors"))
+    (ja, wa), (jb, wb) = runs["a"], runs["b"]
+    assert [s for s, _, _ in ja["rank_curve"]] == [0, 3, 6] and ja["select"] == "ndcg"
+    ndcg = [n for _, _, n in ja["rank_curve"]]
+    assert ja["best_step"] == ja["rank_curve"][int(np.argmax(ndcg))][0]
+    assert all(0 <= r <= 1 and 0 <= n <= r for _, r, n in ja["rank_curve"])
+    assert max(r for _, r, _ in ja["rank_curve"]) > 0                    # the targets are rankable
+    assert ja["rank_curve"] == jb["rank_curve"] and ja["val_curve"] == jb["val_curve"]
+    assert ja["best_step"] == jb["best_step"] and all(torch.equal(wa[k], wb[k]) for k in wa)
+    err = assert_one_line_error(run("05_sft.py", "--model", model_dir, "--save", str(tmp_path / "c"),
+                                    *TINY, "--select", "ndcg", check=False))
+    assert "--rank-users" in err
+
+
+def test_patience_stops_after_validations_without_improvement(sid_setup, tmp_path):
+    out, _, model_dir = sid_setup
+    dst = str(tmp_path / "p")                       # lr 5: the loss diverges, step 0 stays the best
+    r = run("05_sft.py", "--model", model_dir, "--save", dst, *TINY, "--steps", "12", "--lr", "5",
+            "--patience", "2")
+    j = json.load(open(os.path.join(dst, "05_sft.json")))
+    assert j["best_step"] == 0 and j["stopped_at"] == 6 and "stopping at step 6" in r.stdout
+    assert len(j["loss_curve"]) == 6 and [s for s, _, _ in j["val_curve"]] == [0, 3, 6]
+
+
 def test_bad_input(sid_setup, tmp_path):
     out, tiny, model_dir = sid_setup
     err = assert_one_line_error(run("05_sft.py", "--model", tiny, "--out-dir", out, *TINY, check=False))

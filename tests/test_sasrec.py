@@ -40,7 +40,7 @@ def test_smoke_artifacts_and_determinism(smoke):
                                             "ndcg@5", "ndcg@10", "ndcg@20"}
     for k in ("best_epoch", "epochs_run", "val_curve", "train_seconds", "seconds", "params", "args", "cold_users"):
         assert k in res, k
-    assert [e for e, _ in res["val_curve"]] == [2, 4] and res["epochs_run"] == 4
+    assert [e for e, *_ in res["val_curve"]] == [2, 4] and res["epochs_run"] == 4
     assert res["best_epoch"] in (2, 4) and res["params"] > 0
     for p in ("exclude", "keep"):
         assert topk[p].shape == (U, 20) and topk[p].dtype == np.int64

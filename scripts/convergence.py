@@ -1,0 +1,154 @@
+"""Train to the peak: 05 until validation NDCG@10 has not improved for 2 evaluations (at most
+--epochs), the checkpoint of highest validation NDCG@10 kept, then 06 on its test split.
+
+Runs (each one resumable piece: a killed 05 continues with --resume at the next call):
+    ceiling      centroid + GTI (make run's chain), seed 0: how good the LLM gets on ML-100K
+    random-sN    random init,   seeds --seeds: steps to peak per init
+    centroid-sN  centroid init, seeds --seeds   (no grounding: the centroid paper's comparison)
+
+    python scripts/convergence.py --dry-run           # the plan and its CPU-time estimate
+    python scripts/convergence.py --runs ceiling      # one piece (~2 h on 2 CPU cores at 3 epochs)
+    python scripts/convergence.py --report-only       # table + figure from the finished runs
+
+Needs `make run` (out/ml-100k: dataset.pt, models/{random,centroid,centroid+gti}, sasrec/). Model
+selection reads only the validation item (05 --select ndcg runs 06 --split valid); the test split is
+scored once per run, on the chosen checkpoint. Writes results/ml-100k_convergence.md and
+results/ml-100k_convergence.png (validation NDCG@10 against epochs, SASRec and most-popular as lines).
+"""
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
+ev = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ev)                  # 06's metrics and bootstrap (not a numbered step)
+OUT = "out/ml-100k"
+S_PER_STEP, S_PER_RANK = 3.0, 200.0   # this 2-core VM: 05 s/step, one 06 --split valid (943 users)
+STEPS_PER_EPOCH = 660                  # ML-100K: ~5,270 windows / 8 a step (05 prints the epochs)
+
+
+def runs_of(a):
+    runs = {"ceiling": ("centroid+gti", 0)} if "ceiling" in a.inits else {}
+    for init in ("random", "centroid"):
+        if init in a.inits:
+            runs.update({f"{init}-s{s}": (init, int(s)) for s in a.seeds.split(",")})
+    return runs
+
+
+def sh(cmd, log):
+    print("+", " ".join(cmd), flush=True)
+    with open(log, "a") as f:
+        f.write("+ " + " ".join(cmd) + "\n")
+        f.flush()
+        r = subprocess.run([sys.executable, *cmd], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode:
+        sys.exit(f"error: {' '.join(cmd)} failed; see {log}")
+
+
+def run_one(a, name, init, seed):
+    save = f"{OUT}/convergence/{name}"
+    os.makedirs(f"{REPO}/{OUT}/convergence", exist_ok=True)
+    log = f"{REPO}/{save}.log"
+    if not os.path.exists(f"{REPO}/{save}/05_sft.json"):
+        resume = ["--resume"] if os.path.exists(f"{REPO}/{save}.resume.pt") else []
+        sh(["05_sft.py", "--out-dir", OUT, "--model", f"{OUT}/models/{init}", "--save", save,
+            "--epochs", str(a.epochs), "--eval-every", str(a.eval_every), "--select", "ndcg",
+            "--rank-users", str(a.rank_users), "--patience", "2", "--seed", str(seed), *resume], log)
+    if not os.path.exists(f"{REPO}/{save}/eval_test.json"):
+        sh(["06_eval.py", "--out-dir", OUT, "--model", save, "--protocol", "excluded"], log)
+
+
+def report(a, runs):
+    data = torch.load(f"{REPO}/{OUT}/dataset.pt", map_location="cpu", weights_only=True)
+    valid, test = data["valid"].numpy(), data["test"].numpy()
+    pop, train = data["popularity"].numpy(), data["train"]
+    pop_val = ev.rank_metrics(ev.popular_topk(pop, train, 20, True), valid)["ndcg@10"]
+    sas = json.load(open(f"{REPO}/{OUT}/sasrec/eval_test.json"))
+    done = {n: r for n, r in runs.items() if os.path.exists(f"{REPO}/{OUT}/convergence/{n}/eval_test.json")}
+    rows, curves, per, steps_per_epoch = [], {}, {}, float(STEPS_PER_EPOCH)
+    for name, (init, seed) in done.items():
+        d = f"{REPO}/{OUT}/convergence/{name}"
+        j, t = json.load(open(f"{d}/05_sft.json")), json.load(open(f"{d}/eval_test.json"))
+        steps_per_epoch = j["steps"] / j["args"]["epochs"]
+        curves[name] = [(s / steps_per_epoch, n) for s, _, n in j["rank_curve"]]
+        best = max(n for _, _, n in j["rank_curve"])
+        per[name] = ev.per_user_metrics(np.load(f"{d}/eval_test_topk.npy", allow_pickle=False), test)
+        rows.append(f"| {name} | {j['best_step']} ({j['best_step'] / steps_per_epoch:.2f}) | "
+                    f"{best:.4f} | {t['model']['recall@10']:.4f} | {t['model']['ndcg@10']:.4f} | "
+                    f"{j['stopped_at']} | {(j['seconds'] + j['rank_seconds']) / 60:.0f} |")
+    s = sas["exclude_history"]["model"]
+    text = ["# Train to the peak (ml-100k)", "",
+            f"Written by `python scripts/convergence.py` ({time.strftime('%Y-%m-%d', time.gmtime())}, "
+            f"{os.cpu_count()} CPU cores). 05 up to {a.epochs} epochs, validation every {a.eval_every} "
+            f"steps: loss on 128 users and 06's Recall/NDCG@10 on the validation item of "
+            f"{a.rank_users} users (history excluded, beam 20); stop after 2 validations without a "
+            "better NDCG@10; the best checkpoint by validation NDCG@10 is scored on the test split "
+            "(943 users, history excluded).", "",
+            "| run | best step (epochs) | val NDCG@10 | test Recall@10 | test NDCG@10 | steps run | "
+            "minutes |", "|---|---|---|---|---|---|---|", *rows,
+            f"| SASRec (best epoch {sas['best_epoch']}) | - | {sas.get('best_val_ndcg@10', float('nan')):.4f} | "
+            f"{s['recall@10']:.4f} | {s['ndcg@10']:.4f} | - | {sas['train_seconds'] / 60:.0f} |",
+            f"| most popular | - | {pop_val:.4f} | "
+            f"{sas['exclude_history']['most_popular']['recall@10']:.4f} | "
+            f"{sas['exclude_history']['most_popular']['ndcg@10']:.4f} | - | - |", ""]
+    for sd in sorted({seed for n, (i, seed) in done.items() if i == "random"}):
+        r, c = f"random-s{sd}", f"centroid-s{sd}"
+        if r in per and c in per:
+            d = {k: ev.paired_bootstrap(per[c][k], per[r][k]) for k in ("recall@10", "ndcg@10")}
+            text.append(f"seed {sd}, centroid - random at the peak (test, paired bootstrap 95%): "
+                        + ", ".join(f"{k} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" for k, v in d.items()))
+    ev.atomic_write(f"{REPO}/results/ml-100k_convergence.md", lambda t: open(t, "w").write("\n".join(text) + "\n"))
+    print("\n".join(text))
+    if curves:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+        for name, c in curves.items():
+            ax.plot(*zip(*c), marker="o", label=name)
+        ax.axhline(sas.get("best_val_ndcg@10", np.nan), color="k", ls="--", label="SASRec")
+        ax.axhline(pop_val, color="gray", ls=":", label="most popular")
+        ax.axvline(220 / steps_per_epoch, color="r", alpha=0.3, label="make run's 220 steps")
+        ax.set(xlabel="epochs of 05", ylabel="validation NDCG@10 (history excluded)")
+        ax.legend(fontsize=8)
+        ev.atomic_write(f"{REPO}/results/ml-100k_convergence.png",
+                        lambda t: fig.savefig(open(t, "wb"), format="png", dpi=120, bbox_inches="tight"))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", default="", help="comma-separated run names (default: all of --inits x --seeds)")
+    p.add_argument("--inits", default="ceiling,random,centroid", help="which kinds of run")
+    p.add_argument("--seeds", default="0,1", help="seeds of the random and centroid runs")
+    p.add_argument("--epochs", type=float, default=3.0, help="at most this many epochs of 05")
+    p.add_argument("--eval-every", type=int, default=220, help="05 steps between validations")
+    p.add_argument("--rank-users", type=int, default=943, help="users whose validation item 06 ranks")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its CPU time; run nothing")
+    p.add_argument("--report-only", action="store_true", help="run nothing; table + figure")
+    a = p.parse_args()
+    runs = runs_of(a)
+    todo = a.runs.split(",") if a.runs else list(runs)
+    if bad := [n for n in todo if n not in runs]:
+        sys.exit(f"error: unknown run(s) {bad}; choose from {list(runs)}")
+    if not os.path.exists(f"{REPO}/{OUT}/sasrec/eval_test.json"):
+        sys.exit(f"error: {OUT}/sasrec/eval_test.json not found; run `make run` first")
+    if a.dry_run:
+        steps = a.epochs * STEPS_PER_EPOCH
+        h = (steps * S_PER_STEP + (steps / a.eval_every + 1) * S_PER_RANK * a.rank_users / 943) / 3600
+        print(f"{len(todo)} runs x at most {steps:.0f} steps: at most {h:.1f} h each, {h * len(todo):.1f} h")
+        return
+    for name in [] if a.report_only else todo:
+        run_one(a, name, *runs[name])
+    report(a, runs)
+
+
+if __name__ == "__main__":
+    main()

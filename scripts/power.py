@@ -1,0 +1,150 @@
+"""What each verdict could have detected: the minimum detectable effect (MDE) of every paired claim in
+results/<dataset>.md, beside the paper's effect.
+
+For a paired difference with standard error SE, a two-sided test at level alpha detects a true effect
+with probability `power` when the effect is at least
+    MDE = (q_{1 - alpha/2} + q_{power}) * SE            (q: normal, or Student t with df = pairs - 1)
+SE comes from the study's own 95% intervals: SE = half-width / 1.96 for the users' paired bootstrap
+(943 users, the seeds pooled per user), SE = half-width / t_{0.975, k-1} for the t interval over k
+seed pairs. A claim's MDE is the larger of the two (its verdict needs both intervals). An
+"inconclusive" verdict is then "underpowered" (MDE > the paper's effect) or "no effect of the
+paper's size" (MDE <= it, and the interval covers 0). The paper's relative effects (+6.5% ...) are
+turned into absolute ones with the baseline the study measured (ours / our relative difference).
+
+    python scripts/power.py                      # reads results/ml-100k.md, writes results/ml-100k_power.md
+"""
+import argparse
+import math
+import os
+import re
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+Z975, Z80 = 1.959964, 0.841621
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883}
+NUM = r"([+-]?\d+(?:\.\d+)?)"
+INTERVAL = NUM + r" \[" + NUM + ", " + NUM + r"\]"
+
+
+def t_quantile(q: float, df: int) -> float:
+    """Student t quantile (q = 0.975 or 0.80): the table up to df 9, then the Cornish-Fisher term."""
+    table, z = (T975, Z975) if q == 0.975 else (T80, Z80)
+    return table[df] if df in table else z + (z ** 3 + z) / (4 * df)
+
+
+def mde(se: float, df: int = 0) -> float:
+    """Minimum detectable effect at 80% power, 5% two-sided; df = 0: normal quantiles."""
+    return (t_quantile(0.975, df) + t_quantile(0.80, df)) * se if df else (Z975 + Z80) * se
+
+
+def se_of(lo: float, hi: float, df: int = 0) -> float:
+    """Standard error behind a 95% interval [lo, hi] (normal, or t with df)."""
+    return (hi - lo) / 2 / (t_quantile(0.975, df) if df else Z975)
+
+
+def pairs_needed(se_k: float, k: int, effect: float, most: int = 1000) -> int:
+    """Seed pairs whose t-interval MDE reaches `effect`, at the per-pair spread seen with k pairs."""
+    sd = se_k * math.sqrt(k)
+    for n in range(2, most):
+        if mde(sd / math.sqrt(n), n - 1) <= effect:
+            return n
+    return most
+
+
+def parse_claims(text: str):
+    """The rows of the '## The papers' claims' table: (claim, paper, ours, verdict)."""
+    body = text.split("## The papers' claims", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
+            if line.startswith("| ") and not line.startswith("| claim") and "---" not in line]
+    return [r[:4] for r in rows if len(r) >= 4]
+
+
+def analyse(claim, paper, ours, verdict, users: int):
+    """One claim -> a dict, or None when the claim has no paired number (geometry, not tested)."""
+    rel = re.search(r"([+-]?\d+(?:\.\d+)?)%", paper)
+    m_users = re.match(INTERVAL + r" \(([+-]?\d+(?:\.\d+)?)%\)", ours)
+    m_seeds = re.search(r"per seed pair " + INTERVAL + r" \(t 95%, (\d+) pairs", ours)
+    m_steps = re.match(INTERVAL + r" steps fewer \(.*? of random's (\d+)\).*over (\d+) seed pairs", ours)
+    effect_rel = abs(float(rel.group(1))) / 100 if rel else None     # None: the paper gives no size
+    m_users = m_users or re.match(INTERVAL + r"()", ours)               # no relative: baseline 0
+    if m_steps:                                        # steps to a validation loss: seeds only
+        d, lo, hi, base, k = (float(x) for x in m_steps.groups())
+        effect_rel = effect_rel or float("nan")
+        effect, se_s, k = effect_rel * base, se_of(lo, hi, int(k) - 1), int(k)
+        return {"claim": claim, "ours": d, "effect": effect, "unit": "steps", "mde_users": None,
+                "mde_seeds": mde(se_s, k - 1), "k": k, "se_s": se_s, "verdict": verdict}
+    if not m_users:
+        return None
+    d, lo, hi = (float(x) for x in m_users.groups()[:3])
+    ours_rel = float(m_users.group(4)) if m_users.group(4) else 0.0
+    base = abs(d / (ours_rel / 100)) if ours_rel else 0.0
+    effect = None if effect_rel is None else effect_rel * base
+    out = {"claim": claim, "ours": d, "effect": effect, "unit": "", "verdict": verdict,
+           "mde_users": mde(se_of(lo, hi)), "mde_seeds": None, "k": 0}
+    if m_seeds:
+        s_lo, s_hi, k = float(m_seeds.group(2)), float(m_seeds.group(3)), int(m_seeds.group(4))
+        out.update(k=k, se_s=se_of(s_lo, s_hi, k - 1), mde_seeds=mde(se_of(s_lo, s_hi, k - 1), k - 1))
+    return out
+
+
+def report(rows, users: int, beauty_users: int):
+    lines = ["| claim | paper's effect | ours | MDE, users | MDE, seed pairs | verdict | what it means "
+             "| users for MDE = effect | seed pairs for MDE = effect | Beauty's users: MDE |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        e, f = r["effect"], (lambda v: "-" if v is None else f"{v:.4f}" if not r["unit"] else f"{v:.0f}")
+        binding = max(v for v in (r["mde_users"], r["mde_seeds"]) if v is not None)
+        sized = e is not None and e > 0
+        if r["verdict"] != "inconclusive":
+            meaning = r["verdict"]
+        elif e is None:
+            meaning = f"the paper gives no size; MDE {f(binding)}"
+        elif not sized:
+            meaning = "our baseline is 0, so the paper's relative effect has no size here"
+        elif binding > e:
+            meaning = f"underpowered (MDE {f(binding)} > {f(e)})"
+        else:
+            meaning = f"no effect of the paper's size (MDE {f(binding)} <= {f(e)}, interval covers 0)"
+        sized = sized and r["verdict"] == "inconclusive"             # how many would have settled it
+        n_users = "-" if r["mde_users"] is None or not sized else \
+            f"{math.ceil(users * (r['mde_users'] / e) ** 2):,}"
+        n_pairs = "-" if r["mde_seeds"] is None or not sized else str(pairs_needed(r["se_s"], r["k"], e))
+        beauty = "-" if r["mde_users"] is None else f(r["mde_users"] * math.sqrt(users / beauty_users))
+        ours = f"{r['ours']:+.0f}" if r["unit"] else f"{r['ours']:+.4f}"
+        lines.append(f"| {r['claim']} | {f(e)} | {ours} | {f(r['mde_users'])} | "
+                     f"{f(r['mde_seeds'])} ({r['k']} pairs) | {r['verdict']} | {meaning} | {n_users} | "
+                     f"{n_pairs} | {beauty} |")
+    return lines
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", default="ml-100k")
+    p.add_argument("--users", type=int, default=943, help="users behind the bootstrap intervals")
+    p.add_argument("--beauty-users", type=int, default=22363, help="Amazon Beauty 5-core's users")
+    a = p.parse_args()
+    src = os.path.join(REPO, "results", f"{a.dataset}.md")
+    if not os.path.exists(src):
+        sys.exit(f"error: {src} not found; run `make study-report` first")
+    rows = [r for r in (analyse(*c, a.users) for c in parse_claims(open(src).read())) if r]
+    if not rows:
+        sys.exit(f"error: {src} has no paired claim with the paper's effect; is it study.py's report?")
+    text = [f"# What each verdict could have detected ({a.dataset})", "",
+            f"Written by `python scripts/power.py --dataset {a.dataset}` from the intervals in "
+            f"[{a.dataset}.md]({a.dataset}.md). MDE = minimum detectable effect at 80% power, 5% two-sided: "
+            "(q_0.975 + q_0.80) x SE, SE read back from each 95% interval (users: normal; seed pairs: t "
+            "with pairs - 1 df). The paper's relative effect is made absolute with our baseline. Users "
+            "for MDE = effect: at the same per-user variance, MDE falls as 1 / sqrt(users) (the seeds "
+            "kept). Beauty's users: the users' MDE at 22,363 users, the same per-user variance assumed "
+            "(a rough guide: Beauty's hit rates, and so its variance, are lower).", "",
+            *report(rows, a.users, a.beauty_users), ""]
+    dst = os.path.join(REPO, "results", f"{a.dataset}_power.md")
+    tmp = dst + ".tmp"
+    open(tmp, "w").write("\n".join(text))
+    os.replace(tmp, dst)
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
