@@ -237,3 +237,28 @@ def test_unknown_flag(tmp_path):
     assert "--codebok-size" in err
     assert open(os.path.join(out, "sids.npy"), "rb").read() == before
     shutil.rmtree(out)
+
+
+def test_three_token_sids_flow_through_03_to_07(tmp_path):
+    """02 --collisions reassign (3 codes, no suffix level) -> 03 -> 04 -> 05 -> 06 -> 07 on a tiny model:
+    every item's SID is 3 tokens in the vocabulary, in 05's rows and in 06's ranked lists."""
+    from conftest import make_tiny_model
+    out = make_synthetic_out(str(tmp_path / "o"), num_items=40)
+    tiny = make_tiny_model(str(tmp_path / "tiny"))
+    run("02_rqvae.py", "--out-dir", out, "--quantizer", "rqkmeans", "--collisions", "reassign",
+        "--codebook-size", "8", "--levels", "3", "--kmeans-iters", "30", "--device", "cpu")
+    run("03_expand_vocab.py", "--out-dir", out, "--model", tiny, "--init", "centroid")
+    vocab = json.load(open(os.path.join(out, "models", "centroid", "sid_vocab.json")))
+    assert vocab["num_levels"] == 3 and all(len(t) == 3 for t in vocab["item_token_ids"])
+    m = os.path.join(out, "models", "centroid")
+    run("04_ground.py", "--out-dir", out, "--model", m, "--steps", 3, "--max-eval", 4, "--device", "cpu")
+    run("05_sft.py", "--out-dir", out, "--model", m + "+gti", "--steps", 3, "--eval-every", 3, "--val-examples", 8,
+        "--device", "cpu")
+    j = json.load(open(os.path.join(m + "+gti+sft", "05_sft.json")))
+    assert j["val_level_names"] == vocab["level_names"] and len(j["val_level_names"]) == 3
+    run("06_eval.py", "--out-dir", out, "--model", m + "+gti+sft", "--beam", 5, "--users", 8, "--device", "cpu")
+    topk = np.load(os.path.join(m + "+gti+sft", "eval_test_topk.npy"))
+    assert topk.shape == (8, 5) and ((topk >= 0) & (topk < 40)).all()
+    r = run("07_diagnose.py", "--out-dir", out, "--models", "centroid,centroid+gti+sft", "--no-figures")
+    d = json.load(open(os.path.join(out, "diagnostics.json")))
+    assert set(d["models"]["centroid"]["levels"]) == set(vocab["level_names"]) | {"all"}, r.stdout
