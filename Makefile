@@ -66,8 +66,8 @@ figures: setup
 	$(PY) scripts/figures.py --out-dir $(OUT) --save results/$(DATASET)_spectra.png
 
 # Amazon Beauty 5-core on CPU at a small documented budget (data in data/amazon-beauty): centroid init + GTI
-# + SFT, and the SASRec reference, evaluated on the first 1,000 test users (both protocols); docs/design.md
-# has its numbers.
+# + SFT, and the SASRec reference (~32 min here), evaluated on the first 1,000 test users (both protocols);
+# docs/design.md has its numbers.
 BEAUTY = out/amazon-beauty
 run-beauty: setup
 	$(PY) 01_embed_items.py --dataset amazon-beauty --out-dir $(BEAUTY)
