@@ -21,10 +21,11 @@ SID tokens are inserted as ids, never tokenized from text.
 
 Reads:  --model (a 03/04 folder: HF model + tokenizer + sid_vocab.json with every item's SID),
         <out-dir>/dataset.pt (default --out-dir: the folder two levels above --model).
-Writes: --save (default <model>+sft): the best model (lowest validation loss) + tokenizer
-        + sid_vocab.json + sft_config.json (objective, template, max_history, softmax; read by 06)
-        + 05_sft.json (loss curve, val curve [+ rank_curve: step, Recall@10, NDCG@10], accuracy
-        per target position, best step, seconds); <save>.resume.pt and <save>.rank while training.
+Writes: --save (default <model>+sft): the best model (lowest val loss, or highest val NDCG@10)
+        + tokenizer + sid_vocab.json + sft_config.json (objective, template, max_history,
+        softmax; read by 06) + 05_sft.json (loss curve, val curve [+ rank_curve: step,
+        Recall@10, NDCG@10], accuracy per target position, best step, seconds);
+        <save>.resume.pt and <save>.rank while training.
 
 CPU:  python 05_sft.py --model out/ml-100k/models/centroid+gti
 GPU:  python 05_sft.py --model out/ml-100k/models/centroid+gti --device cuda --epochs 10 \
@@ -339,8 +340,9 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, total))
 
     # 3. loop (--resume first restores model, optimizer, schedule and this state), 4. save
-    state = {"step": 0, "best_val": float("inf"), "best_step": -1, "loss_curve": [],
-             "val_curve": [], "val_level_acc": [], "seconds": 0.0}
+    state = {"step": 0, "best_val": float("inf"), "best_score": float("inf"), "best_step": -1,
+             "loss_curve": [], "val_curve": [], "val_level_acc": [], "rank_curve": [],
+             "seconds": 0.0, "rank_seconds": 0.0, "stopped_at": total}
     resume_key = {"args": {k: getattr(args, k) for k in RESUME_KEYS},
                   "examples": len(rows.examples), "world": run.world}
     if args.resume:
@@ -463,10 +465,10 @@ def validate_and_keep(args, run, rows, state, step, total, train_model, save_bes
     ranked = ""
     if args.rank_users:
         recall, ndcg = rank_validation(args, run, state, save_best)
-        state.setdefault("rank_curve", []).append([step, recall, ndcg])
+        state["rank_curve"].append([step, recall, ndcg])
         ranked = f" | val Recall@10 {recall:.4f} NDCG@10 {ndcg:.4f}"
     score = -state["rank_curve"][-1][2] if args.select == "ndcg" else vloss   # lower is better
-    better = score < state.setdefault("best_score", state["best_val"])
+    better = score < state["best_score"]
     if better:
         state["best_score"], state["best_val"], state["best_step"] = score, vloss, step
         if run.master:
@@ -498,7 +500,7 @@ def rank_validation(args, run, state, save_best):
             die(f"06_eval.py on {run.rank_dir} failed: {last}")
         m = load_json(os.path.join(run.rank_dir, "eval_valid.json"), "rerun 05_sft.py")["model"]
         res = [round(m["recall@10"], 5), round(m["ndcg@10"], 5)]
-        state["rank_seconds"] = state.get("rank_seconds", 0.0) + time.time() - t
+        state["rank_seconds"] += time.time() - t
     if dist.is_initialized():
         dist.broadcast_object_list(res, src=0)
     return res
@@ -535,9 +537,9 @@ def sft_step(args, run, rows, step, perms, model, train_model, opt, sched):
 def write_sft_json(args, run, rows, state, total):
     """Rank 0: 05_sft.json beside the best model; the resume state is no longer needed."""
     summary = {"loss_curve": state["loss_curve"], "val_curve": state["val_curve"],
-               "rank_curve": state.get("rank_curve", []), "rank_users": args.rank_users,
+               "rank_curve": state["rank_curve"], "rank_users": args.rank_users,
                "select": args.select, "best_step": state["best_step"],
-               "stopped_at": state.get("stopped_at", total),
+               "stopped_at": state["stopped_at"],
                "val_level_acc": state["val_level_acc"],
                "val_level_names": rows.positions, "best_val_loss": state["best_val"],
                "steps": total, "examples": len(rows.rec), "target_items": rows.targets,
@@ -545,7 +547,7 @@ def write_sft_json(args, run, rows, state, total):
                "world_size": run.world, "batch_size": args.batch_size,
                "grad_accum": args.grad_accum, "seconds": round(state["seconds"], 1),
                "s_per_step": round(state["seconds"] / max(1, state["step"]), 3),
-               "rank_seconds": round(state.get("rank_seconds", 0.0), 1),
+               "rank_seconds": round(state["rank_seconds"], 1),
                "device": str(run.device), "autocast": run.dtype_note, "args": vars(args)}
     if not run.master:
         return

@@ -80,6 +80,7 @@ def main():
             for dtype in dtypes:
                 model.load_state_dict(state0)                                  # same start for every config
                 loss_model = sft.SIDLoss(model, softmax, level_tok).to(device)
+                V, C = loss_model.col_of.shape[0], loss_model.cols.shape[0]     # head columns
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
                 ctx = sft.pick_autocast(dtype, device)[0]
                 items, t, flop = 0, 0.0, 0.0
@@ -97,7 +98,6 @@ def main():
                         t += time.perf_counter() - t0
                         col = loss_model.col_of[labels[labels != sft.IGNORE]]       # head rows
                         sid_rows = int((col >= 0).sum()) if softmax != "full" else 0
-                        V, C = loss_model.col_of.shape[0], loss_model.cols.shape[0]
                         flop += 6 * (body * ids.numel() + d * (C * sid_rows + V * (len(col) - sid_rows)))
                         items += len(hits) // (len(vocab["level_names"]) + (objective == "prompt"))
                 res[objective, softmax, dtype] = items / t

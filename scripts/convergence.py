@@ -16,20 +16,17 @@ scored once per run, on the chosen checkpoint. Writes results/ml-100k_convergenc
 results/ml-100k_convergence.png (validation NDCG@10 against epochs, SASRec and most-popular as lines).
 """
 import argparse
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
-ev = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ev)                  # 06's metrics and bootstrap (not a numbered step)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
+from study import REPO, ev  # noqa: E402  (ev = 06's metrics)
 OUT = "out/ml-100k"
 S_PER_STEP, S_PER_RANK = 3.0, 200.0   # this 2-core VM: 05 s/step, one 06 --split valid (943 users)
 STEPS_PER_EPOCH = 660                  # ML-100K: ~5,270 windows / 8 a step (05 prints the epochs)
@@ -43,20 +40,10 @@ def runs_of(a):
     return runs
 
 
-def sh(cmd, log):
-    print("+", " ".join(cmd), flush=True)
-    with open(log, "a") as f:
-        f.write("+ " + " ".join(cmd) + "\n")
-        f.flush()
-        r = subprocess.run([sys.executable, *cmd], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
-    if r.returncode:
-        sys.exit(f"error: {' '.join(cmd)} failed; see {log}")
-
-
 def run_one(a, name, init, seed):
     save = f"{OUT}/convergence/{name}"
     os.makedirs(f"{REPO}/{OUT}/convergence", exist_ok=True)
-    log = f"{REPO}/{save}.log"
+    log = f"{REPO}/{save}.logs"
     if not os.path.exists(f"{REPO}/{save}/05_sft.json"):
         resume = ["--resume"] if os.path.exists(f"{REPO}/{save}.resume.pt") else []
         sh(["05_sft.py", "--out-dir", OUT, "--model", f"{OUT}/models/{init}", "--save", save,

@@ -7,27 +7,23 @@ with today's default by a paired bootstrap over users. No test item is read for 
     python scripts/levers.py --report-only        # the table from the finished runs
 
 Needs `make run` (out/ml-100k: dataset.pt, item_emb.npy, models/centroid+gti and its +sft). A lever
-runs in out/ml-100k/levers/<name> (the 3-token lever also re-runs 02-04 there, ~4 min); each piece
-keeps its 05_sft.json and eval_valid.json, so a killed run continues with the next call.
+runs in out/ml-100k/levers/<name> (the 3-token lever also re-runs 02-04 there, ~4 min; logs in
+<name>/logs/); each piece keeps its 05_sft.json and eval_valid.json, so a killed run continues
+with the next call.
 Writes results/ml-100k_levers.md (the table, the 05 seconds of each run, the commands).
 """
 import argparse
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
-ev = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ev)                  # 06's metrics and bootstrap (not a numbered step)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from study import BACKBONE, REPO, ev, run_script  # noqa: E402  (study.py's runner; ev = 06's metrics)
 OUT = "out/ml-100k"
-BACKBONE = "models/SmolLM2-135M-Instruct"
 GROUNDED = f"{OUT}/models/centroid+gti"      # make run's 04 output: the default chain's input to 05
 # name: (what changes, 05 flags, quantizer flags for a separate 02-04 or None)
 LEVERS = {
@@ -41,15 +37,11 @@ LEVERS = {
 }
 
 
-def sh(cmd, log):
-    """Run one step with the repo's python; its output goes to the lever's log."""
-    print("+", " ".join(cmd), flush=True)
-    with open(log, "a") as f:
-        f.write("+ " + " ".join(cmd) + "\n")
-        f.flush()
-        r = subprocess.run([sys.executable, *cmd], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
-    if r.returncode:
-        sys.exit(f"error: {' '.join(cmd)} failed; see {log}")
+def sh(cmd, logs):
+    """One step through study.py's run_script: its output in <logs>/<script>.log, one line and
+    exit on failure."""
+    print("+ python", " ".join(cmd), flush=True)
+    run_script(cmd[0], cmd[1:], os.path.join(logs, f"{cmd[0]}.log"))
 
 
 def model_of(name):
@@ -60,7 +52,7 @@ def run_lever(name):
     _, sft_flags, quant = LEVERS[name]
     work = f"{OUT}/levers/{name}"
     os.makedirs(os.path.join(REPO, work), exist_ok=True)
-    log, model, out_dir, grounded = f"{REPO}/{work}/log.txt", model_of(name), OUT, GROUNDED
+    log, model, out_dir, grounded = f"{REPO}/{work}/logs", model_of(name), OUT, GROUNDED
     if quant is not None:                          # own SIDs: 02-04 in <work>, 01's files linked
         out_dir, grounded = work, f"{work}/models/centroid+gti"
         for f in ("dataset.pt", "item_emb.npy", "01_embed_items.json"):
