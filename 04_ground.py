@@ -7,7 +7,8 @@ row; train the new token rows (and an untied head's same rows) on next-token NLL
     loss = - mean_{t in target} log p(y_t | y_<t)         (prompt positions masked with -100)
     g_W  <- g_W * m[:, None],  m_v = 1 iff token v is new   (row mask; AdamW, weight decay 0)
 --train all is continued pretraining (CPT, the centroid paper's alignment stage): the same pairs
-and loss, every parameter trained (lr 1e-4, warmup then cosine), counted in --epochs over the pairs.
+and loss, every parameter trained (lr 1e-4, warmup then constant, so the folder saved after epoch E
+is the same whatever --epochs is), counted in --epochs over the pairs.
 One CPT epoch on ML-100K = 378 steps of 8 pairs: 613 s measured on 2 CPU cores (bf16).
 Reads:  <model> (03's folder, default <out-dir>/models/centroid), <out-dir>/dataset.pt
 Writes: <save> (default <model>+gti; --train all: <model>+cpt<E> at each of --save-epochs): model,
@@ -61,7 +62,7 @@ class Args:
     lr: Annotated[float, ">= 0"] = 0.0
     """peak learning rate (AdamW; 0: 1e-2 for --train rows, 1e-4 for all)"""
     warmup: Annotated[int, ">= 0"] = 10
-    """linear warmup steps, then cosine decay to 0"""
+    """linear warmup steps, then cosine decay to 0 (--train all: constant after the warmup)"""
     loss_average: Literal["tokens", "directions"] = "tokens"
     """tokens (one mean over all target tokens) | directions (mean NLL per direction, averaged)"""
     grad_clip: float = 1.0
@@ -153,13 +154,18 @@ def freeze_all_but_new_rows(model, new_ids: torch.Tensor):
 
 def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args, at_step=None):
     """The loop: pairs -> logits at the targets -> loss -> masked row update, AdamW with linear
-    warmup then cosine decay to 0; at_step(step) after each step. Returns the loss curve (a point
-    per log line) and its seconds. An epoch = len(pairs) // batch_size steps, then a reshuffle."""
+    warmup then cosine decay to 0 (CPT: constant); at_step(step) after each step. Returns the loss
+    curve (a point per log line) and its seconds. An epoch = len(pairs) // batch_size steps, then a
+    reshuffle."""
     opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
                             fused=device.type in ("cuda", "cpu"))      # fused: one kernel per step
     w, decay = args.warmup, max(1, args.steps - args.warmup)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / w if s < w else
-                                              0.5 * (1 + math.cos(math.pi * (s - w) / decay)))
+
+    def lr_factor(s):  # warmup, then cosine to 0 (GTI) or constant (CPT: epoch E's weights do not
+        if s < w:      # depend on --epochs, so one long run's +cpt1, +cpt2, ... are short runs' ends)
+            return (s + 1) / w
+        return 1.0 if args.train == "all" else 0.5 * (1 + math.cos(math.pi * (s - w) / decay))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     order, pos, curve, t_loop = [], 0, [], time.time()
     (run_loss, run_hit, run_n), t_int = (0.0, 0.0, 0.0), time.time()
     for step in range(1, args.steps + 1):

@@ -7,7 +7,7 @@ BACKBONE = models/SmolLM2-135M-Instruct
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup run run-beauty results figures test test-fast study study-plan study-report study-gpu bench \
+.PHONY: setup run run-beauty results figures test test-fast study study-cpt study-cpt-geometry study-plan study-report study-gpu bench \
 	bench-sft clean
 setup: .venv/.installed $(BACKBONE)/config.json data/ml-100k/ml-100k.inter data/amazon-beauty
 
@@ -104,6 +104,17 @@ STUDY  = scripts/study.py --dataset $(DATASET) --seeds $(SEEDS) $(if $(EXACT),--
 study: setup
 	nice $(PY) $(STUDY)
 	$(PY) scripts/power.py --dataset $(DATASET)
+
+# CPT (continued pretraining, 04 --train all) before SFT: random at 0, 2, 8 epochs and centroid at 0, 1, 2, from
+# one CPT chain per init and seed (random ~82 min, centroid ~41 min on 2 cores, then ~13 min per SFT run).
+# `make study-cpt SEEDS=0`, then SEEDS=1; `make study-cpt-geometry SEEDS=2` runs the chains only (07, no SFT).
+CPT_VARIANTS = random,centroid,random+cpt2,random+cpt8,centroid+cpt1,centroid+cpt2
+study-cpt: setup
+	nice $(PY) $(STUDY) --variants $(CPT_VARIANTS)
+	$(PY) scripts/power.py --dataset $(DATASET)
+
+study-cpt-geometry: setup
+	nice $(PY) $(STUDY) --variants random+cpt8,centroid+cpt1 --cpt-only
 
 study-plan: setup
 	$(PY) $(STUDY) --dry-run

@@ -21,6 +21,12 @@ Pieces (one seed of all 11 variants ~2.2 h on 2 CPU cores; a killed piece resume
     python scripts/study.py --seeds 0        (then --seeds 1, --seeds 2; `make study SEEDS=0`)
     python scripts/study.py --report-only    (tables + figures from the finished runs)
     python scripts/study.py --seeds 0,1,2 --dry-run     (the plan and its estimated CPU time)
+CPT variants (<init>+cpt<E>: E epochs of 04 --train all, then 05, 07, 06 as above) start from a chain per init and seed,
+runs/study/<dataset>/_cpt/<init>/seed<s>: 03, one 04 --train all run saving the folders after each of CPT_EPOCHS[init]
+epochs (constant lr after the warmup, so epoch E's folder does not depend on the run's length), and 07 on every folder:
+the geometry after CPT, before any SFT. They are not in the default variants (a random chain is ~82 min, centroid ~41):
+    python scripts/study.py --seeds 0 --variants random,centroid,random+cpt2,random+cpt8,centroid+cpt1,centroid+cpt2
+    python scripts/study.py --seeds 2 --variants random+cpt8,centroid+cpt1 --cpt-only    (the chains' geometry only)
 Good run: one line per step with its time; results/<dataset>.md starts with the claims table.
 """
 import argparse
@@ -48,7 +54,7 @@ _spec.loader.exec_module(ev)                      # 06's per_user_metrics and pa
 # paper's residual k-means with exactly L codes (collision-free). scale: 03's --centroid-scale; every centroid
 # variant has a shuffled twin at the same scale (03 permutes its rows within each level).
 # ---------------------------------------------------------------------------------------------------
-Variant = namedtuple("Variant", "tokenizer init scale gti aux")
+Variant = namedtuple("Variant", "tokenizer init scale gti aux cpt", defaults=(0,))   # cpt: 04 --train all epochs
 VARIANTS = {  #                tokenizer   init        scale      gti    aux (LC-Rec tasks in 05)
     "random":       Variant("rqvae",    "random",   "",        False, False),
     "mean":         Variant("rqvae",    "mean",     "",        False, False),
@@ -61,11 +67,18 @@ VARIANTS = {  #                tokenizer   init        scale      gti    aux (LC
     "rqk-random":   Variant("rqkmeans", "random",   "",        False, False),
     "rqk-centroid": Variant("rqkmeans", "centroid", "level",   False, False),
     "rqk-shuffled": Variant("rqkmeans", "shuffled", "level",   False, False),
+    "random+cpt2":   Variant("rqvae",   "random",   "",        False, False, 2),   # from the CPT chains
+    "random+cpt8":   Variant("rqvae",   "random",   "",        False, False, 8),
+    "centroid+cpt1": Variant("rqvae",   "centroid", "level",   False, False, 1),
+    "centroid+cpt2": Variant("rqvae",   "centroid", "level",   False, False, 2),
 }
+CPT_EPOCHS = {"random": (1, 2, 4, 8), "centroid": (1, 2, 4)}   # the folders a chain saves (and 07 measures)
+DEFAULT_VARIANTS = [v for v, d in VARIANTS.items() if not d.cpt]
 TOKENIZER_02 = {"rqvae": [], "rqkmeans": ["--quantizer", "rqkmeans", "--collisions", "reassign"]}
 GROUND_STEPS, EVAL_EVERY, COLD_MAX = 120, 44, 25   # 04 as `make run`; 05 validates 6 times; 109 cold ML-100K users
 # CPU seconds per step on 2 idle cores (README's pipeline table; 05 = 220 x 2.06 s + 6 validations x 20 s)
-SECONDS = {"01": 8, "02": 20, "03": 10, "04": 111, "05": 220 * 2.06 + 6 * 20, "06": 180, "06x": 3.1 * 180, "07": 10}
+SECONDS = {"01": 8, "02": 20, "03": 10, "04": 111, "05": 220 * 2.06 + 6 * 20, "06": 180, "06x": 3.1 * 180, "07": 10,
+           "04c": 613}                                # 04c: one CPT epoch (04 --train all, 378 steps)
 METRICS = [("recall@5", "R@5"), ("recall@10", "R@10"), ("recall@20", "R@20"), ("ndcg@10", "N@10")]
 COLD = "recall@10"                                  # the cold-target metric
 GEOMETRY = [("effective_rank", "erank"), ("mean_cos", "mean cos"), ("rsa_centroids", "RSA cent"),
@@ -81,7 +94,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="ml-100k", help="01's --dataset (ml-100k | amazon-beauty)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds to run: one seed is one ~2.2 h piece")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated names from VARIANTS (default: all but the +cpt ones)")
+    p.add_argument("--cpt-only", action="store_true", help="only the CPT chains of the +cpt variants (no SFT)")
     p.add_argument("--exact", action="store_true", help="also 06 --search exact for seed 0 (~9 min per variant)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its CPU time estimate; run nothing")
     p.add_argument("--report-only", action="store_true", help="run nothing; tables and figures from finished runs")
@@ -111,9 +126,14 @@ def run_dir(a, variant, seed):
     return os.path.join(a.work_dir, a.dataset, variant, f"seed{seed}")
 
 
+def cpt_dir(a, init, seed):
+    return os.path.join(a.work_dir, a.dataset, "_cpt", init, f"seed{seed}")
+
+
 def final_model(a, variant, seed):
     v = VARIANTS[variant]
-    return os.path.join(run_dir(a, variant, seed), "models", v.init + ("+gti" if v.gti else "") + "+sft")
+    return os.path.join(run_dir(a, variant, seed), "models",
+                        v.init + ("+gti" if v.gti else "") + (f"+cpt{v.cpt}" if v.cpt else "") + "+sft")
 
 
 def plan_setup(a, tokenizer):
@@ -126,17 +146,42 @@ def plan_setup(a, tokenizer):
             step02]
 
 
-def plan(a, variant, seed):
-    """The steps of one run, in order."""
-    v, run, dev = VARIANTS[variant], run_dir(a, variant, seed), ["--device", a.device]
-    model = os.path.join(run, "models", v.init)
+def step03(run, v, seed, dev):
     scale = ["--centroid-scale", v.scale] if v.scale else []
-    diag = lambda stage, m: Step(f"07_{stage}", "07_diagnose.py", [
-        "--out-dir", run, "--models", m, "--names", variant, "--save", os.path.join(run, f"diag_{stage}.json"),
+    return Step("03", "03_expand_vocab.py", ["--out-dir", run, "--model", BACKBONE, "--init", v.init, *scale,
+                                              "--seed", seed, *dev],
+                os.path.join(run, "models", v.init, "sid_vocab.json"))
+
+
+def step07(run, stage, model, name, dev):
+    return Step(f"07_{stage}", "07_diagnose.py", [
+        "--out-dir", run, "--models", model, "--names", name, "--save", os.path.join(run, f"diag_{stage}.json"),
         "--no-figures", *dev], os.path.join(run, f"diag_{stage}.json"))
-    steps = [Step("03", "03_expand_vocab.py", ["--out-dir", run, "--model", BACKBONE, "--init", v.init, *scale,
-                                               "--seed", seed, *dev], os.path.join(model, "sid_vocab.json")),
-             diag("init", model)]
+
+
+def plan_cpt(a, init, seed):
+    """A CPT chain (shared by the +cpt variants of its init and seed): 03, one 04 --train all run that saves the
+    folders after each of CPT_EPOCHS[init] epochs, and 07 on the 03 folder and on each saved one."""
+    run, dev, eps = cpt_dir(a, init, seed), ["--device", a.device], CPT_EPOCHS[init]
+    model = os.path.join(run, "models", init)
+    last = f"{model}+cpt{max(eps)}"
+    steps = [step03(run, VARIANTS[init], seed, dev), step07(run, "cpt0", model, init, dev),
+             Step("04c", "04_ground.py", ["--out-dir", run, "--model", model, "--train", "all", "--epochs", max(eps),
+                                          "--save-epochs", ",".join(map(str, eps)), "--save", last,
+                                          "--seed", seed, *dev], os.path.join(last, "04_ground.json"))]
+    steps += [step07(run, f"cpt{e}", f"{model}+cpt{e}", init, dev) for e in eps]
+    return [s._replace(args=[str(x) for x in s.args]) for s in steps]
+
+
+def plan(a, variant, seed):
+    """The steps of one run, in order (a +cpt variant starts from its chain's folder: plan_cpt runs first)."""
+    v, run, dev = VARIANTS[variant], run_dir(a, variant, seed), ["--device", a.device]
+    diag = lambda stage, m: step07(run, stage, m, variant, dev)  # noqa: E731
+    if v.cpt:
+        model, steps = os.path.join(cpt_dir(a, v.init, seed), "models", f"{v.init}+cpt{v.cpt}"), []
+    else:
+        model = os.path.join(run, "models", v.init)
+        steps = [step03(run, v, seed, dev), diag("init", model)]
     if v.gti:
         steps += [Step("04", "04_ground.py", ["--out-dir", run, "--model", model, "--save", model + "+gti",
                                               "--steps", GROUND_STEPS, "--seed", seed, *dev],
@@ -198,8 +243,10 @@ def execute(a, steps, logs):
         if os.path.exists(s.done):
             print(f"  skip (done)  {line}")
         elif a.dry_run:
-            print(f"  ~{SECONDS[s.name.split('_')[0]]:4.0f}s  {line}")
-            total += SECONDS[s.name.split("_")[0]]
+            key = s.name.split("_")[0]
+            est = SECONDS[key] * (int(s.args[s.args.index("--epochs") + 1]) if key == "04c" else 1)
+            print(f"  ~{est:4.0f}s  {line}")
+            total += est
         else:
             dt = run_script(s.script, args, os.path.join(logs, f"{s.name}.log"))
             print(f"  {dt:6.1f}s  {line}")
@@ -267,6 +314,14 @@ def run_one(a, variant, seed):
     return seconds
 
 
+def run_chain(a, init, seed):
+    """One CPT chain's steps (finished ones skipped); its folders stay for the +cpt variants (~0.5 GB each)."""
+    chain = cpt_dir(a, init, seed)
+    if not a.dry_run:
+        link_artifacts(tokenizer_dir(a, "rqvae"), chain)
+    return execute(a, plan_cpt(a, init, seed), os.path.join(chain, "logs"))
+
+
 def seed0_figures(a, res_variants):
     """Per tokenizer and stage, one 07 over seed 0 of every variant (slim copies): heatmaps, spectra, popularity."""
     figs = []
@@ -314,6 +369,20 @@ def collect(a, variants):
                                   for st in ("init", "ground", "sft")},
                          "seconds": sum((load_json(os.path.join(run, "logs", "timings.json")) or {}).values())})
         out[v] = runs
+    return out
+
+
+def collect_cpt(a):
+    """{init: {epoch: [07's numbers per seed]}} from the CPT chains' diag_cpt<E>.json (epoch 0 = 03's rows)."""
+    out = {}
+    for init, eps in CPT_EPOCHS.items():
+        root = os.path.join(a.work_dir, a.dataset, "_cpt", init)
+        seeds = sorted(d for d in os.listdir(root) if re.fullmatch(r"seed\d+", d)) if os.path.isdir(root) else []
+        for e in (0, *eps):
+            ds = [(load_json(os.path.join(root, sd, f"diag_cpt{e}.json")) or {}).get("models", {}).get(init)
+                  for sd in seeds]
+            if any(ds):
+                out.setdefault(init, {})[e] = [d for d in ds if d]
     return out
 
 
@@ -399,6 +468,16 @@ def geo(res, v, stage, key):
     return float(np.mean(xs)) if xs else None
 
 
+def cpt_geo(cpt, init, epoch, key):
+    """Mean over the chains' seeds of a 07 number after `epoch` CPT epochs ("last": the most run); None if absent."""
+    per = cpt.get(init, {})
+    epoch = max(per, default=None) if epoch == "last" else epoch
+    ds = per.get(epoch, [])
+    xs = [d["purity"] if key == "purity" else d["levels"]["all"].get(key) for d in ds]
+    xs = [x for x in xs if x is not None]
+    return (float(np.mean(xs)), epoch, len(xs)) if xs else (None, epoch, 0)
+
+
 def convergence(res, a_, b_):
     """Steps to the worse of the two variants' mean best validation loss, paired by seed (same example order)."""
     best = [np.mean([r["sft"]["best_val_loss"] for r in res.get(v, []) if r["sft"]] or [np.nan]) for v in (a_, b_)]
@@ -423,13 +502,16 @@ def pairs(variants):
     out = [(v, ref[VARIANTS[v].tokenizer]) for v in variants if v not in ref.values()]
     out += [("mean+gti", "mean"), ("mean+aux", "mean"), ("mean+gti", "mean+aux"), ("centroid", "shuffled"),
             ("rqk-centroid", "rqk-shuffled"), ("centroid+gti", "centroid"), ("rqk-random", "random"),
-            ("rqk-centroid", "centroid")]
+            ("rqk-centroid", "centroid"), ("centroid+cpt1", "centroid"), ("centroid+cpt1", "random+cpt2"),
+            ("centroid+cpt1", "random+cpt8"), ("centroid+cpt2", "random+cpt8")]
     return [p for p in dict.fromkeys(out) if p[0] in variants and p[1] in variants]
 
 
 # The papers' claims (docs/papers.md), in its order. paired: a - b over users (metric; "cold:" = cold targets only);
 # steps: SFT steps to the same validation loss, b - a per seed; geometry: a 07 number after SFT (or at init),
-# effect = a - b, or 1 - a / b for "ratio", judged by a plain threshold.
+# effect = a - b, or 1 - a / b for "ratio", judged by a plain threshold; cpt_geometry: the same on the CPT chains
+# (a after what[1] epochs - b after what[2]; "last" = the most epochs run); cpt: Recall@5 of a (centroid + 1
+# CPT epoch) against b (random + 2) and what (random + 8). Thresholds fixed before the CPT runs.
 CLAIMS = [  # claim, paper's number, kind, a, b, what
     ("GTI: mean init collapses the SID rows, low-rank after SFT", "qualitative (SVD spectrum, cosine)",
      "geometry", "mean", "mean+gti", ("effective_rank", "sft", "sft", "ratio", 0.5)),
@@ -456,15 +538,34 @@ CLAIMS = [  # claim, paper's number, kind, a, b, what
      "paired", "rqk-centroid", "rqk-shuffled", "recall@5"),
     ("centroid init keeps item semantics after SFT (purity)", "qualitative (CPT does not recover them)",
      "geometry", "centroid", "random", ("purity", "sft", "sft", "difference", 0.05)),
-    ("centroid + 1-4 CPT epochs ~ random + 6-10 CPT epochs", "qualitative (CPT epochs to the same quality)",
-     "untested", "centroid", "random", "this repository has no continued-pretraining (CPT) stage"),
+    ("CPT does not recover semantics from random init (purity)", "qualitative (CPT does not recover them)",
+     "cpt_geometry", "centroid", "random", ("purity", 0, "last", 0.05)),
+    ("random rows organize by popularity during CPT", "qualitative (rows organize by popularity)",
+     "cpt_geometry", "random", "random", ("pop_spearman_abs", "last", 0, 0.2)),
+    ("centroid + 1-4 CPT epochs ~ random + 6-10 CPT epochs: Recall@5", "qualitative (CPT epochs to the same "
+     "quality)", "cpt", "centroid+cpt1", "random+cpt2", "random+cpt8"),
 ]
 
 
-def claim_row(res, pu, kind, a_, b_, what):
+def claim_row(res, pu, kind, a_, b_, what, cpt=None):
     """(ours, verdict) of one claim."""
-    if kind == "untested":
-        return f"not run: {what}", "not tested"
+    if kind == "cpt":      # reproduced: random + 2 epochs is still below centroid + 1, random + 8 is not
+        (t2, v2), (t8, v8) = (claim_row(res, pu, "paired", a_, b, "recall@5") for b in (b_, what))
+        if "not run" in (t2, t8):
+            return "not run", "not run yet"
+        v2, v8 = v2.split(" (")[0], v8.split(" (")[0]
+        v = ("reproduced" if v2 == "reproduced" and v8 != "reproduced" else "not reproduced"
+             if v2 == "not reproduced" else f"inconclusive ({what} still below)" if v8 == "reproduced"
+             else "inconclusive")
+        return f"{a_} - {b_}: {t2}; {a_} - {what}: {t8}", v
+    if kind == "cpt_geometry":
+        key, ea, eb, t = what
+        (va, ea, na), (vb, eb, nb) = cpt_geo(cpt or {}, a_, ea, key), cpt_geo(cpt or {}, b_, eb, key)
+        if va is None or vb is None or not max(ea, eb):
+            return "not run", "not run yet"
+        e = va - vb
+        return (f"{key}: {a_} after {ea} CPT epochs {va:.3f} ({na} seeds), {b_} after {eb} CPT epochs {vb:.3f} "
+                f"({nb} seeds); effect a - b = {e:+.3f} (threshold {t})", threshold_verdict(e, t))
     if kind == "paired":
         part, metric = what.split(":") if ":" in what else ("all", what)
         if not (pu.get(a_) and pu.get(b_)):
@@ -502,10 +603,16 @@ def claim_row(res, pu, kind, a_, b_, what):
             f"{'1 - a / b' if form == 'ratio' else 'a - b'} = {e:+.3f} (threshold {t})", threshold_verdict(e, t))
 
 
-def claims(res, pu, cmd):
+def claim_cmd(cmd, kind, a_, b_, what):
+    if kind == "cpt_geometry":                                 # the chains behind the +cpt variants
+        return f"`{cmd} --variants random+cpt8,centroid+cpt1 --cpt-only`"
+    return f"`{cmd} --variants {','.join(dict.fromkeys([a_, b_] + ([what] if kind == 'cpt' else [])))}`"
+
+
+def claims(res, pu, cmd, cpt=None):
     """The claims table: (claim, paper's number, ours, verdict, the command that reruns that row)."""
-    return [(name, paper, *claim_row(res, pu, kind, a_, b_, what), f"`{cmd} --variants {a_},{b_}`"
-             if a_ != b_ else f"`{cmd} --variants {a_}`") for name, paper, kind, a_, b_, what in CLAIMS]
+    return [(name, paper, *claim_row(res, pu, kind, a_, b_, what, cpt), claim_cmd(cmd, kind, a_, b_, what))
+            for name, paper, kind, a_, b_, what in CLAIMS]
 
 
 def report(a, res, targets, popularity, cmd, figs=()):
@@ -534,7 +641,8 @@ def report(a, res, targets, popularity, cmd, figs=()):
            + (f" **Provisional: {fewest} seed(s) for some variants.** The bootstrap resamples users, not "
               "training runs; with fewer than 3 seeds a verdict can flip with the next seed." if fewest < 3 else ""), "",
            "| claim | paper | ours | verdict | command |", "|---|---|---|---|---|"]
-    md += [f"| {' | '.join(r)} |" for r in claims(res, pu, cmd.split(" --seeds")[0] + " --seeds 0,1,2")]
+    cpt = collect_cpt(a)
+    md += [f"| {' | '.join(r)} |" for r in claims(res, pu, cmd.split(" --seeds")[0] + " --seeds 0,1,2", cpt)]
     # --- per variant
     thr, _, _ = convergence(res, "centroid", "random")
     md += ["", "## Test metrics per variant (mean +- std over seeds: the seed spread)", "",
@@ -582,6 +690,16 @@ def report(a, res, targets, popularity, cmd, figs=()):
                 md.append(f"| {v} | {st} | " + " | ".join(mean_std([d["levels"]["all"].get(k) for d in ds], "{:.2f}")
                                                           for k, _ in GEOMETRY)
                           + f" | {mean_std([d['purity'] for d in ds], '{:.3f}')} |")
+    if cpt:
+        md += ["", "## Geometry after CPT, before SFT (07 on the CPT chains' folders; mean +- std over seeds)", "",
+               "04 --train all: every parameter, lr 1e-4 after 10 warmup steps (constant), 8 text <-> SID pairs a "
+               "step; an epoch is one pass over the pairs. Epoch 0 is 03's rows.", "",
+               "| init | CPT epochs | seeds | " + " | ".join(n for _, n in GEOMETRY) + " | purity@10 |",
+               "|---" * (len(GEOMETRY) + 4) + "|"]
+        for init, per in cpt.items():
+            md += [f"| {init} | {e} | {len(ds)} | " + " | ".join(mean_std([d["levels"]["all"].get(k) for d in ds],
+                                                                           "{:.2f}") for k, _ in GEOMETRY)
+                   + f" | {mean_std([d['purity'] for d in ds], '{:.3f}')} |" for e, ds in sorted(per.items())]
     # --- validation curves
     figs = [validation_figure(a, res, variants, thr)] + list(figs)
     md += ["", "## Figures", ""] + [f"![{os.path.basename(f)}]({os.path.basename(f)})" for f in figs if f]
@@ -639,7 +757,10 @@ def main(argv=None):
                                ("dataset.pt", "item_emb.npy", "01_embed_items.json"))
             total += execute(a, plan_setup(a, t), logs)
         for seed in a.seeds:                                           # seed-major: one seed of everything first
-            for v in a.variants:
+            for init in dict.fromkeys(VARIANTS[v].init for v in a.variants if VARIANTS[v].cpt):
+                print(f"--- CPT chain {init} seed {seed}")
+                total += run_chain(a, init, seed)
+            for v in [] if a.cpt_only else a.variants:
                 print(f"--- {v} seed {seed}")
                 total += run_one(a, v, seed)
         print(f"{'estimated' if a.dry_run else 'measured'} CPU time of this piece: {total / 3600:.2f} h")

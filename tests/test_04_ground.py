@@ -148,6 +148,12 @@ def test_cpt_trains_every_parameter_and_saves_the_chosen_epochs(synthetic_out, t
     curve = rep["loss_curve"]
     assert curve[-1]["loss"] < curve[0]["loss"], curve
     assert json.load(open(os.path.join(src + "+cpt1", "sid_vocab.json"))) == json.load(open(os.path.join(src, "sid_vocab.json")))
+    # the schedule is constant after the warmup, so +cpt1 of the 3-epoch run is a 1-epoch run's end
+    run("04_ground.py", "--out-dir", synthetic_out, "--model", src, "--train", "all", "--epochs", 1,
+        "--batch-size", 8, "--lr", 3e-3, "--warmup", 2, "--max-eval", 8, "--holdout-frac", 0.0,
+        "--save", src + "+one")
+    one, mid_w = params(src + "+one"), params(src + "+cpt1")
+    assert all(torch.equal(one[n], mid_w[n]) for n in one)
     for flag in (["--train", "all", "--epochs", 2, "--save-epochs", "3"], ["--train", "all", "--epochs", 2, "--save-epochs", "one"],
                  ["--epochs", 2, "--save-epochs", "1"]):
         err = assert_one_line_error(run("04_ground.py", "--out-dir", synthetic_out, "--model", src, *flag, check=False))

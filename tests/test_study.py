@@ -19,10 +19,14 @@ U = 400                                          # users; user u's test target i
 
 def test_variants_table():
     V = study.VARIANTS
-    assert len(V) == 11 and {"random", "mean", "centroid", "shuffled", "mean+gti", "centroid+gti", "random+gti",
-                             "mean+aux", "rqk-random", "rqk-centroid", "rqk-shuffled"} == set(V)
+    assert len(study.DEFAULT_VARIANTS) == 11 and {
+        "random", "mean", "centroid", "shuffled", "mean+gti", "centroid+gti", "random+gti", "mean+aux", "rqk-random",
+        "rqk-centroid", "rqk-shuffled"} == set(study.DEFAULT_VARIANTS) == {n for n, v in V.items() if not v.cpt}
+    assert {n: v.cpt for n, v in V.items() if v.cpt} == {"random+cpt2": 2, "random+cpt8": 8, "centroid+cpt1": 1,
+                                                         "centroid+cpt2": 2}
+    assert all(v.cpt in study.CPT_EPOCHS[v.init] and v.tokenizer == "rqvae" for v in V.values() if v.cpt)
     for name, v in V.items():                    # every plain centroid row has a shuffled twin at the same scale
-        if v.init == "centroid" and not v.gti:
+        if v.init == "centroid" and not v.gti and not v.cpt:
             twins = [w for w in V.values() if w.init == "shuffled" and w.tokenizer == v.tokenizer]
             assert twins and all(w.scale == v.scale and not w.gti and not w.aux for w in twins), name
     assert all(bool(v.scale) == (v.init in ("centroid", "shuffled")) for v in V.values())
@@ -67,6 +71,16 @@ def fake_run(a, v, seed, hits, curve, geometry):
                   open(os.path.join(run_dir, f"diag_{st}.json"), "w"))
 
 
+def fake_chain(a, init, seed, per_epoch):
+    """A CPT chain's 07 files: per epoch (purity, popularity |rho|)."""
+    root = study.cpt_dir(a, init, seed)
+    os.makedirs(root, exist_ok=True)
+    for e, (purity, pop) in per_epoch.items():
+        lv = {**{k: 0.5 for k, _ in study.GEOMETRY}, "pop_spearman_abs": pop}
+        json.dump({"models": {init: {"levels": {"all": lv}, "purity": purity}}},
+                  open(os.path.join(root, f"diag_cpt{e}.json"), "w"))
+
+
 RANDOM = [[0, 5.0], [44, 4.0], [88, 3.0], [132, 2.5], [176, 2.2], [220, 2.0]]
 FAST = [[0, 5.0], [44, 3.0], [88, 2.0], [132, 1.9], [176, 1.85], [220, 1.8]]
 
@@ -82,6 +96,12 @@ def constructed(tmp_path):
         fake_run(a, "shuffled", s, range(300), FAST, {})                          # centroid - shuffled < 0
         fake_run(a, "mean+gti", s, range(100, 200), RANDOM, {"sft": {"erank": 10.0, "rsa": 0.3}})
     fake_run(a, "mean", 0, range(100), RANDOM, {"sft": {"erank": 2.0, "rsa": 0.25}})   # one seed only
+    for s in range(3):                            # CPT: centroid + 1 epoch = random + 8 > random + 2
+        fake_run(a, "centroid+cpt1", s, range(200), RANDOM, {})
+        fake_run(a, "random+cpt2", s, range(100), RANDOM, {})
+        fake_run(a, "random+cpt8", s, range(200), RANDOM, {})
+        fake_chain(a, "random", s, {0: (0.3, 0.05), 1: (0.3, 0.1), 8: (0.32 + 0.01 * s, 0.4)})
+        fake_chain(a, "centroid", s, {0: (0.5, 0.1), 1: (0.5, 0.1)})
     for s, hits in enumerate((300, 40, 160)):     # rqk-centroid - rqk-random: +.55, -.15, +.10 over the seeds
         fake_run(a, "rqk-random", s, range(80 + 20 * s), RANDOM, {})
         fake_run(a, "rqk-centroid", s, range(hits), RANDOM, {})
@@ -119,7 +139,7 @@ def test_report_on_constructed_runs(constructed):
     assert d == 0.25 and 0 < lo < d < hi                                          # R@5 +0.25 [lo, hi]
 
     claims = {r[0]: r for r in table(md, "The papers' claims")}
-    assert len(claims) == 15                                                      # every claim of docs/papers.md
+    assert len(claims) == 17                                                      # every claim of docs/papers.md
     verdict = {k: r[3] for k, r in claims.items()}
     assert verdict["centroid vs random: Recall@5"] == "reproduced"
     assert "per seed pair +0.2500 [" in claims["centroid vs random: Recall@5"][2]       # .30/.25/.20 agree
@@ -145,7 +165,17 @@ def test_report_on_constructed_runs(constructed):
     assert verdict["GTI keeps the codebook geometry after SFT (RSA, block structure)"] == "inconclusive"  # .05
     assert verdict["centroid init keeps item semantics after SFT (purity)"] == "not reproduced"  # -.1
     assert claims["GTI vs LC-Rec aux tasks: Recall@10"][2:4] == ["not run", "not run yet"]
-    assert claims["centroid + 1-4 CPT epochs ~ random + 6-10 CPT epochs"][3] == "not tested"
+    cpt = claims["centroid + 1-4 CPT epochs ~ random + 6-10 CPT epochs: Recall@5"]
+    assert cpt[2].startswith("centroid+cpt1 - random+cpt2: +0.2500 [")
+    assert "centroid+cpt1 - random+cpt8: +0.0000" in cpt[2]
+    assert cpt[3] == "reproduced" and "--variants centroid+cpt1,random+cpt2,random+cpt8`" in cpt[4]
+    sem = claims["CPT does not recover semantics from random init (purity)"]   # .5 - mean(.32, .33, .34) >= .05
+    assert sem[3] == "reproduced" and "random after 8 CPT epochs 0.330 (3 seeds)" in sem[2] and "--cpt-only" in sem[4]
+    assert "effect a - b = +0.350" in claims["random rows organize by popularity during CPT"][2]  # .4 - .05
+    assert verdict["random rows organize by popularity during CPT"] == "reproduced"
+    after = {(r[0], r[1]): r for r in table(md, "Geometry after CPT")}
+    assert after[("random", "8")][2] == "3" and after[("random", "8")][-1] == "0.330 +- 0.010"
+    assert ("centroid", "0") in after and ("centroid", "8") not in after
     assert "--variants centroid,random" in claims["centroid vs random: Recall@5"][4]
     assert "--variants random`" in claims["random init drifts to a popularity axis (Thm 3.1)"][4]
     assert os.path.exists(os.path.join(a.results_dir, "toy_val_loss.png"))
@@ -179,6 +209,16 @@ def test_dry_run_passes_only_listed_flags(tmp_path):
             assert l[l.index("--cold-max") + 1] == "25" and l[l.index("--protocol") + 1] == "excluded"
     est = float(re.search(r"estimated CPU time of this piece: ([\d.]+) h", r.stdout).group(1))
     assert 4.5 < est < 9                                   # two seeds of 11 variants + 11 exact searches
+
+    r = run("scripts/study.py", "--dry-run", "--seeds", "0", "--variants", "random+cpt2,centroid+cpt1",
+            "--work-dir", tmp_path / "w", "--results-dir", tmp_path / "r", "--out-root", tmp_path / "o")
+    lines = [l.split("python ", 1)[1].split() for l in r.stdout.splitlines() if "python " in l and ".py " in l]
+    for script, *args in lines:                  # the CPT chains' flags too
+        assert all(re.search(re.escape(x) + r"\b", helps[script]) for x in args if x.startswith("--")), args
+    assert count("04_ground.py") == 2 and count("05_sft.py") == 2
+    assert count("07_diagnose.py") == 5 + 4 + 2            # the chains' 1 + 4 and 1 + 3, then after SFT
+    cpt_s = [float(l.split("s ", 1)[0].strip(" ~")) for l in r.stdout.splitlines() if "--train all" in l]
+    assert cpt_s == [8 * 613, 4 * 613]                     # one CPT epoch ~613 s, random 8 epochs, centroid 4
 
 
 def fake_step(calls, kill):
@@ -265,3 +305,37 @@ def test_killed_piece_resumes(tmp_path, monkeypatch):
 
 def test_unknown_variant_one_line():
     assert_one_line_error(run("scripts/study.py", "--variants", "random,bogus", "--dry-run", check=False))
+
+
+def test_cpt_chain_runs_once_per_init_and_seed(tmp_path, monkeypatch):
+    """Two +cpt variants of one init share one chain (03, one 04 --train all, 07 per saved epoch), their 05
+    starts from the chain's folder, and --cpt-only runs the chains without SFT."""
+    backbone = tmp_path / "backbone"
+    backbone.mkdir()
+    (backbone / "config.json").write_text("{}")
+    monkeypatch.setattr(study, "BACKBONE", str(backbone))
+    base = ["--seeds", "0", "--work-dir", str(tmp_path / "w"), "--out-root", str(tmp_path / "o"),
+            "--results-dir", str(tmp_path / "r")]
+    calls = []
+    monkeypatch.setattr(study, "run_script", fake_step(calls, kill=""))
+    study.main(["--variants", "random+cpt2,random+cpt8"] + base)
+    calls[:] = [c for c in calls if "--names" not in c[1] or "," not in c[1][c[1].index("--names") + 1]]
+    names = [c[0] for c in calls]                                     # (without the seed-0 figures' 07)
+    assert names == ["01_embed_items.py", "02_rqvae.py", "03_expand_vocab.py"] + ["07_diagnose.py"] + \
+        ["04_ground.py"] + ["07_diagnose.py"] * 4 + ["05_sft.py", "07_diagnose.py", "06_eval.py"] * 2
+    a = study.parse_args(["--variants", "random+cpt2"] + base)
+    chain = os.path.join(study.cpt_dir(a, "random", 0), "models", "random")
+    g = calls[4][1]
+    assert g[g.index("--train") + 1] == "all" and g[g.index("--epochs") + 1] == "8"
+    assert g[g.index("--save-epochs") + 1] == "1,2,4,8"
+    assert [c[1][c[1].index("--model") + 1] for c in calls if c[0] == "05_sft.py"] == [chain + "+cpt2", chain + "+cpt8"]
+    assert os.path.exists(os.path.join(study.final_model(a, "random+cpt2", 0), "eval_test.json"))
+    md = open(os.path.join(tmp_path / "r", "ml-100k.md")).read()
+    assert "## Geometry after CPT" in md and "| random | 8 | 1 |" in md
+
+    calls.clear()
+    study.main(["--variants", "random+cpt8,centroid+cpt1", "--cpt-only"] + base)
+    assert [c[0] for c in calls] == ["03_expand_vocab.py", "07_diagnose.py", "04_ground.py"] + ["07_diagnose.py"] * 3
+    g = calls[2][1]
+    assert g[g.index("--epochs") + 1] == "4" and "centroid" in g[g.index("--model") + 1]
+    assert calls[0][1][calls[0][1].index("--centroid-scale") + 1] == "level"
