@@ -161,8 +161,8 @@ def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args, at_st
                             fused=device.type in ("cuda", "cpu"))      # fused: one kernel per step
     w, decay = args.warmup, max(1, args.steps - args.warmup)
 
-    def lr_factor(s):  # warmup, then cosine to 0 (GTI) or constant (CPT: epoch E's weights do not
-        if s < w:      # depend on --epochs, so one long run's +cpt1, +cpt2, ... are short runs' ends)
+    def lr_factor(s):  # warmup, then cosine to 0 (GTI) or constant (CPT: epoch E's weights do
+        if s < w:      # not depend on --epochs: a long run's +cpt1, +cpt2 are short runs' ends)
             return (s + 1) / w
         return 1.0 if args.train == "all" else 0.5 * (1 + math.cos(math.pi * (s - w) / decay))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
