@@ -1,5 +1,6 @@
 """Train to the peak: 05 until validation NDCG@10 has not improved for 2 evaluations (at most
---epochs), the checkpoint of highest validation NDCG@10 kept, then 06 on its test split.
+--epochs, rounded down to whole --eval-every blocks), the checkpoint of highest validation NDCG@10
+kept, then 06 on its test split.
 
 Runs (each one resumable piece: a killed 05 continues with --resume at the next call):
     ceiling      centroid + GTI (make run's chain), seed 0: how good the LLM gets on ML-100K
@@ -7,7 +8,7 @@ Runs (each one resumable piece: a killed 05 continues with --resume at the next 
     centroid-sN  centroid init, seeds --seeds   (no grounding: the centroid paper's comparison)
 
     python scripts/convergence.py --dry-run           # the plan and its CPU-time estimate
-    python scripts/convergence.py --runs ceiling      # one piece (~2 h on 2 CPU cores at 3 epochs)
+    python scripts/convergence.py --runs ceiling      # one piece (~2.5 h on 2 CPU cores at 3 epochs)
     python scripts/convergence.py --report-only       # table + figure from the finished runs
 
 Needs `make run` (out/ml-100k: dataset.pt, models/{random,centroid,centroid+gti}, sasrec/). Model
@@ -29,7 +30,7 @@ from levers import sh  # noqa: E402  (study.py's runner, each step's log in a fo
 from study import REPO, ev  # noqa: E402  (ev = 06's metrics)
 OUT = "out/ml-100k"
 S_PER_STEP, S_PER_RANK = 3.0, 200.0   # this 2-core VM: 05 s/step, one 06 --split valid (943 users)
-STEPS_PER_EPOCH = 660                  # ML-100K: ~5,270 windows / 8 a step (05 prints the epochs)
+STEPS_PER_EPOCH = 660                  # ML-100K: 5,299 windows / 8 a step = 662 (05 prints the epochs)
 
 
 def runs_of(a):
@@ -40,6 +41,12 @@ def runs_of(a):
     return runs
 
 
+def max_steps(a):
+    """--epochs rounded down to whole validation blocks: the last step is a validation step, so 05's
+    validation at its final step is not a second ranking a few steps after the previous one."""
+    return max(1, int(a.epochs * STEPS_PER_EPOCH) // a.eval_every) * a.eval_every
+
+
 def run_one(a, name, init, seed):
     save = f"{OUT}/convergence/{name}"
     os.makedirs(f"{REPO}/{OUT}/convergence", exist_ok=True)
@@ -47,7 +54,7 @@ def run_one(a, name, init, seed):
     if not os.path.exists(f"{REPO}/{save}/05_sft.json"):
         resume = ["--resume"] if os.path.exists(f"{REPO}/{save}.resume.pt") else []
         sh(["05_sft.py", "--out-dir", OUT, "--model", f"{OUT}/models/{init}", "--save", save,
-            "--epochs", str(a.epochs), "--eval-every", str(a.eval_every), "--select", "ndcg",
+            "--steps", str(max_steps(a)), "--eval-every", str(a.eval_every), "--select", "ndcg",
             "--rank-users", str(a.rank_users), "--patience", "2", "--seed", str(seed), *resume], log)
     if not os.path.exists(f"{REPO}/{save}/eval_test.json"):
         sh(["06_eval.py", "--out-dir", OUT, "--model", save, "--protocol", "excluded"], log)
@@ -64,7 +71,7 @@ def report(a, runs):
     for name, (init, seed) in done.items():
         d = f"{REPO}/{OUT}/convergence/{name}"
         j, t = json.load(open(f"{d}/05_sft.json")), json.load(open(f"{d}/eval_test.json"))
-        steps_per_epoch = j["steps"] / j["args"]["epochs"]
+        steps_per_epoch = (j["examples"] + j["aux_examples"]) / (j["batch_size"] * j["grad_accum"])
         curves[name] = [(s / steps_per_epoch, n) for s, _, n in j["rank_curve"]]
         best = max(n for _, _, n in j["rank_curve"])
         per[name] = ev.per_user_metrics(np.load(f"{d}/eval_test_topk.npy", allow_pickle=False), test)
@@ -128,7 +135,7 @@ def main():
     if not os.path.exists(f"{REPO}/{OUT}/sasrec/eval_test.json"):
         sys.exit(f"error: {OUT}/sasrec/eval_test.json not found; run `make run` first")
     if a.dry_run:
-        steps = a.epochs * STEPS_PER_EPOCH
+        steps = max_steps(a)
         h = (steps * S_PER_STEP + (steps / a.eval_every + 1) * S_PER_RANK * a.rank_users / 943) / 3600
         print(f"{len(todo)} runs x at most {steps:.0f} steps: at most {h:.1f} h each, {h * len(todo):.1f} h")
         return
