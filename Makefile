@@ -108,13 +108,14 @@ study: setup
 # CPT (continued pretraining, 04 --train all) before SFT: random at 0, 2, 8 epochs and centroid at 0, 1, 2, from
 # one CPT chain per init and seed (random ~82 min, centroid ~41 min on 2 cores, then ~13 min per SFT run).
 # `make study-cpt SEEDS=0`, then SEEDS=1; `make study-cpt-geometry SEEDS=2` runs the chains only (07, no SFT).
+# Their report is results/cpt/$(DATASET).md (the claims these variants test), beside the full study's.
 CPT_VARIANTS = random,centroid,random+cpt2,random+cpt8,centroid+cpt1,centroid+cpt2
 study-cpt: setup
-	nice $(PY) $(STUDY) --variants $(CPT_VARIANTS)
-	$(PY) scripts/power.py --dataset $(DATASET)
+	nice $(PY) $(STUDY) --results-dir results/cpt --variants $(CPT_VARIANTS)
+	$(PY) scripts/power.py --dataset $(DATASET) --results-dir results/cpt
 
 study-cpt-geometry: setup
-	nice $(PY) $(STUDY) --variants random+cpt8,centroid+cpt1 --cpt-only
+	nice $(PY) $(STUDY) --results-dir results/cpt --variants random+cpt8,centroid+cpt1 --cpt-only
 
 study-plan: setup
 	$(PY) $(STUDY) --dry-run

@@ -123,15 +123,17 @@ def main():
     p.add_argument("--dataset", default="ml-100k")
     p.add_argument("--users", type=int, default=943, help="users behind the bootstrap intervals")
     p.add_argument("--beauty-users", type=int, default=22363, help="Amazon Beauty 5-core's users")
+    p.add_argument("--results-dir", default="results", help="study.py's --results-dir")
     a = p.parse_args()
-    src = os.path.join(REPO, "results", f"{a.dataset}.md")
+    src = os.path.join(REPO, a.results_dir, f"{a.dataset}.md")
     if not os.path.exists(src):
         sys.exit(f"error: {src} not found; run `make study-report` first")
     rows = [r for r in (analyse(*c, a.users) for c in parse_claims(open(src).read())) if r]
     if not rows:
         sys.exit(f"error: {src} has no paired claim with the paper's effect; is it study.py's report?")
     text = [f"# What each verdict could have detected ({a.dataset})", "",
-            f"Written by `python scripts/power.py --dataset {a.dataset}` from the intervals in "
+            f"Written by `python scripts/power.py --dataset {a.dataset}"
+            f"{'' if a.results_dir == 'results' else ' --results-dir ' + a.results_dir}` from the intervals in "
             f"[{a.dataset}.md]({a.dataset}.md). MDE = minimum detectable effect at 80% power, 5% two-sided: "
             "(q_0.975 + q_0.80) x SE, SE read back from each 95% interval (users: normal; seed pairs: t "
             "with pairs - 1 df). The paper's relative effect is made absolute with our baseline. Users "
@@ -139,7 +141,7 @@ def main():
             "kept). Beauty's users: the users' MDE at 22,363 users, the same per-user variance assumed "
             "(a rough guide: Beauty's hit rates, and so its variance, are lower).", "",
             *report(rows, a.users, a.beauty_users), ""]
-    dst = os.path.join(REPO, "results", f"{a.dataset}_power.md")
+    dst = os.path.join(REPO, a.results_dir, f"{a.dataset}_power.md")
     tmp = dst + ".tmp"
     open(tmp, "w").write("\n".join(text))
     os.replace(tmp, dst)

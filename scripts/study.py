@@ -25,8 +25,12 @@ CPT variants (<init>+cpt<E>: E epochs of 04 --train all, then 05, 07, 06 as abov
 runs/study/<dataset>/_cpt/<init>/seed<s>: 03, one 04 --train all run saving the folders after each of CPT_EPOCHS[init]
 epochs (constant lr after the warmup, so epoch E's folder does not depend on the run's length), and 07 on every folder:
 the geometry after CPT, before any SFT. They are not in the default variants (a random chain is ~82 min, centroid ~41):
-    python scripts/study.py --seeds 0 --variants random,centroid,random+cpt2,random+cpt8,centroid+cpt1,centroid+cpt2
-    python scripts/study.py --seeds 2 --variants random+cpt8,centroid+cpt1 --cpt-only    (the chains' geometry only)
+    python scripts/study.py --seeds 0 --results-dir results/cpt \
+        --variants random,centroid,random+cpt2,random+cpt8,centroid+cpt1,centroid+cpt2      (`make study-cpt`)
+    python scripts/study.py --seeds 2 --results-dir results/cpt \
+        --variants random+cpt8,centroid+cpt1 --cpt-only      (the chains' geometry only; `make study-cpt-geometry`)
+A piece's report covers every finished run and chain, and lists the claims that need none of its --variants only
+when they have been run; so a CPT piece writes its own results/cpt/<dataset>.md, not the full study's report.
 Good run: one line per step with its time; results/<dataset>.md starts with the claims table.
 """
 import argparse
@@ -176,23 +180,22 @@ def plan_cpt(a, init, seed):
 def plan(a, variant, seed):
     """The steps of one run, in order (a +cpt variant starts from its chain's folder: plan_cpt runs first)."""
     v, run, dev = VARIANTS[variant], run_dir(a, variant, seed), ["--device", a.device]
-    diag = lambda stage, m: step07(run, stage, m, variant, dev)  # noqa: E731
     if v.cpt:
         model, steps = os.path.join(cpt_dir(a, v.init, seed), "models", f"{v.init}+cpt{v.cpt}"), []
     else:
         model = os.path.join(run, "models", v.init)
-        steps = [step03(run, v, seed, dev), diag("init", model)]
+        steps = [step03(run, v, seed, dev), step07(run, "init", model, variant, dev)]
     if v.gti:
         steps += [Step("04", "04_ground.py", ["--out-dir", run, "--model", model, "--save", model + "+gti",
                                               "--steps", GROUND_STEPS, "--seed", seed, *dev],
                        os.path.join(model + "+gti", "04_ground.json")),
-                  diag("ground", model + "+gti")]
+                  step07(run, "ground", model + "+gti", variant, dev)]
         model += "+gti"
     final = final_model(a, variant, seed)
     steps += [Step("05", "05_sft.py", ["--model", model, "--save", final, "--out-dir", run, "--eval-every", EVAL_EVERY,
                                        *(["--aux-tasks"] if v.aux else []), "--seed", seed, *dev],
                    os.path.join(final, "05_sft.json")),
-              diag("sft", final),
+              step07(run, "sft", final, variant, dev),
               Step("06", "06_eval.py", ["--model", final, "--out-dir", run, "--protocol", "excluded",
                                         "--cold-max", COLD_MAX, "--seed", seed, *dev],
                    os.path.join(final, "eval_test.json"))]
@@ -609,10 +612,22 @@ def claim_cmd(cmd, kind, a_, b_, what):
     return f"`{cmd} --variants {','.join(dict.fromkeys([a_, b_] + ([what] if kind == 'cpt' else [])))}`"
 
 
-def claims(res, pu, cmd, cpt=None):
-    """The claims table: (claim, paper's number, ours, verdict, the command that reruns that row)."""
-    return [(name, paper, *claim_row(res, pu, kind, a_, b_, what, cpt), claim_cmd(cmd, kind, a_, b_, what))
-            for name, paper, kind, a_, b_, what in CLAIMS]
+def claim_variants(kind, a_, b_, what):
+    """The variants a claim needs (cpt_geometry: the +cpt variants whose chains it reads)."""
+    if kind == "cpt_geometry":
+        return {v for v, d in VARIANTS.items() if d.cpt and d.init in (a_, b_)}
+    return {a_, b_, what} if kind == "cpt" else {a_, b_}
+
+
+def claims(res, pu, cmd, cpt=None, variants=None):
+    """The claims table: (claim, paper's number, ours, verdict, the command that reruns that row). With
+    `variants` (the piece's --variants), a claim not run yet that needs none of them is left out."""
+    rows = []
+    for name, paper, kind, a_, b_, what in CLAIMS:
+        row = (name, paper, *claim_row(res, pu, kind, a_, b_, what, cpt), claim_cmd(cmd, kind, a_, b_, what))
+        if row[3] != "not run yet" or variants is None or claim_variants(kind, a_, b_, what) & set(variants):
+            rows.append(row)
+    return rows
 
 
 def report(a, res, targets, popularity, cmd, figs=()):
@@ -633,7 +648,8 @@ def report(a, res, targets, popularity, cmd, figs=()):
           "interval covers the training runs: the 95% t interval of the per-seed differences (seed s of a minus "
           "seed s of b, which saw the same SFT example order).", ""]
     # --- claims
-    fewest = min(len(res[v]) for v in variants)
+    cpt = collect_cpt(a)
+    fewest = min([len(res[v]) for v in variants] + [len(ds) for per in cpt.values() for ds in per.values()])
     md += ["## The papers' claims", "", "Verdict: reproduced when the 95% interval of (ours - baseline) lies above 0, "
            "not reproduced when it lies below 0, inconclusive when it contains 0; with >= 2 seed pairs both intervals "
            "(users and seeds) must agree, otherwise the difference is inside the seed spread: inconclusive. Geometry "
@@ -641,11 +657,13 @@ def report(a, res, targets, popularity, cmd, figs=()):
            + (f" **Provisional: {fewest} seed(s) for some variants.** The bootstrap resamples users, not "
               "training runs; with fewer than 3 seeds a verdict can flip with the next seed." if fewest < 3 else ""), "",
            "| claim | paper | ours | verdict | command |", "|---|---|---|---|---|"]
-    cpt = collect_cpt(a)
-    md += [f"| {' | '.join(r)} |" for r in claims(res, pu, cmd.split(" --seeds")[0] + " --seeds 0,1,2", cpt)]
+    rows = claims(res, pu, cmd.split(" --seeds")[0] + " --seeds 0,1,2", cpt, getattr(a, "variants", None))
+    md += [f"| {' | '.join(r)} |" for r in rows]
+    if len(rows) < len(CLAIMS):
+        md += ["", f"Left out: {len(CLAIMS) - len(rows)} claims whose variants this piece does not run."]
     # --- per variant
     thr, _, _ = convergence(res, "centroid", "random")
-    md += ["", "## Test metrics per variant (mean +- std over seeds: the seed spread)", "",
+    md += [] if not variants else ["", "## Test metrics per variant (mean +- std over seeds: the seed spread)", "",
            "| variant | tokenizer | init | GTI | aux | seeds | " + " | ".join(n for _, n in METRICS)
            + f" | cold R@10 | best val loss | steps to val loss {thr:.3f} | h/run |", "|---" * (len(METRICS) + 10) + "|"]
     for v in variants:
@@ -664,7 +682,7 @@ def report(a, res, targets, popularity, cmd, figs=()):
         md.append("| most popular | | | | | | " + " | ".join(f"{e0['most_popular'][k]:.4f}" for k, _ in METRICS)
                   + f" | {e0['cold_most_popular'][COLD]:.4f} | | | |")
     # --- paired differences
-    md += ["", "## Paired differences (a - b; the seeds both ran pooled per user; 95% bootstrap over users)", "",
+    md += [] if not pairs(variants) else ["", "## Paired differences (a - b; the seeds both ran pooled per user; 95% bootstrap over users)", "",
            "| a | b | seeds a/b | " + " | ".join(n for _, n in METRICS) + " | cold R@10 | R@10 per seed pair (t 95%) |",
            "|---" * (len(METRICS) + 5) + "|"]
     for x, y in pairs(variants):
@@ -681,7 +699,7 @@ def report(a, res, targets, popularity, cmd, figs=()):
         md += [f"| {x} | {y} | " + " | ".join(fmt_iv(boot(*paired_users(ex[x], ex[y], "all", k)[:2]))
                                               for k, _ in METRICS) + " |" for x, y in pairs(list(ex))]
     # --- geometry
-    md += ["", "## Geometry of the SID rows (07, all levels; mean +- std over seeds)", "",
+    md += [] if not variants else ["", "## Geometry of the SID rows (07, all levels; mean +- std over seeds)", "",
            "| variant | stage | " + " | ".join(n for _, n in GEOMETRY) + " | purity@10 |", "|---" * (len(GEOMETRY) + 3) + "|"]
     for v in variants:
         for st in ("init", "ground", "sft"):
@@ -701,8 +719,9 @@ def report(a, res, targets, popularity, cmd, figs=()):
                                                                            "{:.2f}") for k, _ in GEOMETRY)
                    + f" | {mean_std([d['purity'] for d in ds], '{:.3f}')} |" for e, ds in sorted(per.items())]
     # --- validation curves
-    figs = [validation_figure(a, res, variants, thr)] + list(figs)
-    md += ["", "## Figures", ""] + [f"![{os.path.basename(f)}]({os.path.basename(f)})" for f in figs if f]
+    figs = [validation_figure(a, res, variants, thr) if variants else None] + list(figs)
+    if any(figs):
+        md += ["", "## Figures", ""] + [f"![{os.path.basename(f)}]({os.path.basename(f)})" for f in figs if f]
     os.makedirs(a.results_dir, exist_ok=True)
     path = os.path.join(a.results_dir, f"{a.dataset}.md")
     with open(path + ".tmp", "w") as f:
@@ -744,7 +763,10 @@ def validation_figure(a, res, variants, thr):
 def main(argv=None):
     a = parse_args(argv)
     os.chdir(REPO)
-    cmd = f"python scripts/study.py --dataset {a.dataset} --seeds {','.join(map(str, a.seeds))}"
+    rd = "" if a.results_dir == "results" else f" --results-dir {a.results_dir}"
+    cmd = f"python scripts/study.py --dataset {a.dataset}{rd} --seeds {','.join(map(str, a.seeds))}"
+    if a.variants != DEFAULT_VARIANTS:
+        cmd += f" --variants {','.join(a.variants)}" + (" --cpt-only" if a.cpt_only else "")
     if not a.report_only:
         if not os.path.exists(os.path.join(BACKBONE, "config.json")) and not a.dry_run:
             die(f"{BACKBONE} not found; run `make setup` first")
@@ -772,7 +794,7 @@ def main(argv=None):
     import torch
     data = torch.load(ds, weights_only=True)
     res = collect(a, list(VARIANTS))
-    if not any(res.values()):
+    if not any(res.values()) and not collect_cpt(a):
         die(f"no finished run under {os.path.join(a.work_dir, a.dataset)}; run a piece first")
     os.makedirs(a.results_dir, exist_ok=True)
     figs = seed0_figures(a, [v for v in VARIANTS if res[v]])

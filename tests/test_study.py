@@ -181,6 +181,26 @@ def test_report_on_constructed_runs(constructed):
     assert os.path.exists(os.path.join(a.results_dir, "toy_val_loss.png"))
 
 
+def test_cpt_only_report(tmp_path):
+    """A --cpt-only piece (chains, no SFT run) reports the CPT geometry claims and leaves the others out."""
+    a = study.parse_args(["--work-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "res"),
+                          "--dataset", "toy", "--variants", "random+cpt8,centroid+cpt1", "--cpt-only"])
+    fake_chain(a, "random", 0, {0: (0.3, 0.05), 1: (0.3, 0.1), 8: (0.31, 0.12)})
+    fake_chain(a, "centroid", 0, {0: (0.5, 0.1)})
+    res = study.collect(a, list(study.VARIANTS))
+    assert not any(res.values())
+    md = open(study.report(a, res, np.arange(U), np.full(U, 100), "python scripts/study.py --dataset toy")).read()
+    claims = {r[0]: r for r in table(md, "The papers' claims")}
+    assert set(claims) == {c[0] for c in study.CLAIMS if c[2] in ("cpt", "cpt_geometry")}
+    assert claims["CPT does not recover semantics from random init (purity)"][3] == "reproduced"   # .5 - .31
+    assert claims["random rows organize by popularity during CPT"][3] == "inconclusive"           # .12 - .05 < .2
+    assert claims["centroid + 1-4 CPT epochs ~ random + 6-10 CPT epochs: Recall@5"][3] == "not run yet"
+    assert f"Left out: {len(study.CLAIMS) - 3} claims" in md and "Provisional: 1 seed(s)" in md
+    assert "Test metrics per variant" not in md and "Paired differences" not in md
+    after = {(r[0], r[1]): r for r in table(md, "Geometry after CPT")}
+    assert sorted(after) == [("centroid", "0"), ("random", "0"), ("random", "1"), ("random", "8")]
+
+
 # ---------------------------------------------------------------------------------------------------
 # The plan against the scripts, and resuming
 # ---------------------------------------------------------------------------------------------------
