@@ -152,6 +152,15 @@ def freeze_all_but_new_rows(model, new_ids: torch.Tensor):
     return trained, unchanged
 
 
+def new_row_shift(model, new_ids: torch.Tensor):
+    """CPT's counterpart of the check above: () -> (None, the new rows' mean L2 shift since now)."""
+    ws = list(dict.fromkeys((model.get_input_embeddings().weight,     # untied head: both
+                             model.get_output_embeddings().weight)))
+    start = [w.detach()[new_ids].clone() for w in ws]
+    return lambda: (None, float(sum((w.detach()[new_ids] - s).norm(dim=1).mean()
+                                    for w, s in zip(ws, start))))
+
+
 def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args, at_step=None):
     """The loop: pairs -> logits at the targets -> loss -> masked row update, AdamW with linear
     warmup then cosine decay to 0 (CPT: constant); at_step(step) after each step. Returns the loss
@@ -285,7 +294,8 @@ def main():
     if rows:                                                    # GTI: the new rows, masked
         trained, unchanged = freeze_all_but_new_rows(model.to(device), new_ids.to(device))
     else:                                                       # CPT: every parameter
-        trained, unchanged = list(model.to(device).requires_grad_(True).parameters()), None
+        trained = list(model.to(device).requires_grad_(True).parameters())
+        unchanged = new_row_shift(model, new_ids.to(device))
     files = {"sid_vocab.json": json.dumps(vocab)}
 
     def at_step(step):                                          # CPT: folders at chosen epochs
@@ -299,11 +309,10 @@ def main():
     accuracy("before")
     curve, train_s = ground_rows(model, pairs, trained, g, pad_id, device, ctx, args, at_step)
     accuracy("after")
-    frozen_ok, moved = unchanged() if rows else (None, 0.0)
-    if rows:
-        print(f"pretrained rows unchanged: {frozen_ok}; mean shift of the new rows {moved:.4f}")
-        if not frozen_ok:
-            die("pretrained parameters changed during grounding (this is a bug); nothing saved")
+    frozen_ok, moved = unchanged()
+    print(f"pretrained rows unchanged: {frozen_ok}; mean shift of the new rows {moved:.4f}")
+    if rows and not frozen_ok:
+        die("pretrained parameters changed during grounding (this is a bug); nothing saved")
 
     # 5. save: the folder (with the same sid_vocab.json and this report), swapped in by save_folder
     model.to("cpu")

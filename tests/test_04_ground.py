@@ -147,6 +147,8 @@ def test_cpt_trains_every_parameter_and_saves_the_chosen_epochs(synthetic_out, t
     assert not torch.equal(params(src + "+cpt1")["model.norm.weight"], after["model.norm.weight"])
     curve = rep["loss_curve"]
     assert curve[-1]["loss"] < curve[0]["loss"], curve
+    ids, w = new_ids(src), "model.embed_tokens.weight"                  # tied: one matrix
+    assert abs(rep["new_row_shift"] - (after[w][ids] - before[w][ids]).norm(dim=1).mean()) < 1e-3
     assert json.load(open(os.path.join(src + "+cpt1", "sid_vocab.json"))) == json.load(open(os.path.join(src, "sid_vocab.json")))
     # the schedule is constant after the warmup, so +cpt1 of the 3-epoch run is a 1-epoch run's end
     run("04_ground.py", "--out-dir", synthetic_out, "--model", src, "--train", "all", "--epochs", 1,
