@@ -106,7 +106,7 @@ study: setup
 	$(PY) scripts/power.py --dataset $(DATASET)
 
 # CPT (continued pretraining, 04 --train all) before SFT: random at 0, 2, 8 epochs and centroid at 0, 1, 2, from
-# one CPT chain per init and seed (random ~82 min, centroid ~41 min on 2 cores, then ~13 min per SFT run).
+# one CPT chain per init and seed (random 82-96 min, centroid ~41-48 min on 2 cores, then ~13 min per SFT run).
 # `make study-cpt SEEDS=0`, then SEEDS=1; `make study-cpt-geometry SEEDS=2` runs the chains only (07, no SFT).
 # Their report is results/cpt/$(DATASET).md (the claims these variants test), beside the full study's.
 CPT_VARIANTS = random,centroid,random+cpt2,random+cpt8,centroid+cpt1,centroid+cpt2

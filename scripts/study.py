@@ -24,7 +24,7 @@ Pieces (one seed of all 11 variants ~2.2 h on 2 CPU cores; a killed piece resume
 CPT variants (<init>+cpt<E>: E epochs of 04 --train all, then 05, 07, 06 as above) start from a chain per init and seed,
 runs/study/<dataset>/_cpt/<init>/seed<s>: 03, one 04 --train all run saving the folders after each of CPT_EPOCHS[init]
 epochs (constant lr after the warmup, so epoch E's folder does not depend on the run's length), and 07 on every folder:
-the geometry after CPT, before any SFT. They are not in the default variants (a random chain is ~82 min, centroid ~41):
+the geometry after CPT, before any SFT. They are not in the default variants (a random chain is 82-96 min, centroid ~41-48):
     python scripts/study.py --seeds 0 --results-dir results/cpt \
         --variants random,centroid,random+cpt2,random+cpt8,centroid+cpt1,centroid+cpt2      (`make study-cpt`)
     python scripts/study.py --seeds 2 --results-dir results/cpt \
@@ -34,6 +34,7 @@ when they have been run; so a CPT piece writes its own results/cpt/<dataset>.md,
 Good run: one line per step with its time; results/<dataset>.md starts with the claims table.
 """
 import argparse
+import glob
 import importlib.util
 import json
 import os
@@ -635,11 +636,15 @@ def report(a, res, targets, popularity, cmd, figs=()):
     variants = [v for v in res if res[v]]
     cold = popularity[targets] <= COLD_MAX
     pu = {v: per_user(res[v], targets, cold) for v in variants}
+    chains = {os.path.relpath(os.path.dirname(os.path.dirname(f)), a.work_dir): load_json(f) for f in
+              sorted(glob.glob(os.path.join(a.work_dir, a.dataset, "_cpt", "*", "seed*", "logs", "timings.json")))}
     md = [f"# Study: {a.dataset}", "",
           f"Command: `{cmd}` (pieces: `--seeds 0`, `--seeds 1`, `--seeds 2`; this report covers the runs finished when "
           f"it was written).  ", f"Machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, device "
           f"{a.device}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; compute "
-          f"{sum(r['seconds'] for v in variants for r in res[v]) / 3600:.2f} h (sum of the runs' step times).  ",
+          f"{sum(r['seconds'] for v in variants for r in res[v]) / 3600:.2f} h (sum of the runs' step times)"
+          + (f" + {sum(sum(t.values()) for t in chains.values()) / 3600:.2f} h of CPT chains" if chains else "")
+          + ".  ",
           f"Budget: 05's defaults (220 steps x 8, lr 1e-3, level softmax), validation every {EVAL_EVERY} steps; GTI "
           f"{GROUND_STEPS} grounding steps; 06 beam 20 over all {len(targets)} test users, history excluded; cold "
           f"targets = seen <= {COLD_MAX} times in training ({int(cold.sum())} users).  ",
@@ -711,7 +716,8 @@ def report(a, res, targets, popularity, cmd, figs=()):
     if cpt:
         md += ["", "## Geometry after CPT, before SFT (07 on the CPT chains' folders; mean +- std over seeds)", "",
                "04 --train all: every parameter, lr 1e-4 after 10 warmup steps (constant), 8 text <-> SID pairs a "
-               "step; an epoch is one pass over the pairs. Epoch 0 is 03's rows.", "",
+               "step; an epoch is one pass over the pairs. Epoch 0 is 03's rows."
+               + "".join(f" 04 of {c}: {t['04c'] / 60:.0f} min." for c, t in chains.items() if "04c" in t), "",
                "| init | CPT epochs | seeds | " + " | ".join(n for _, n in GEOMETRY) + " | purity@10 |",
                "|---" * (len(GEOMETRY) + 4) + "|"]
         for init, per in cpt.items():
