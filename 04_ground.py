@@ -144,11 +144,11 @@ def freeze_all_but_new_rows(model, new_ids: torch.Tensor):
         mask_row_grads(w, new_ids)
     keep = torch.ones(emb.shape[0], dtype=torch.bool, device=emb.device)
     keep[new_ids] = False                                       # the pretrained rows
+    shift = new_row_shift(model, new_ids)
     def unchanged():
         ok = all(torch.equal(w.detach()[keep], o[keep]) for w, o in zip(trained, originals)) and \
             all(torch.equal(model.get_parameter(n).detach(), o) for n, o in others.items())
-        return ok, float(sum((w.detach()[new_ids] - o[new_ids]).norm(dim=1).mean()
-                             for w, o in zip(trained, originals)))
+        return ok, shift()[1]
     return trained, unchanged
 
 
