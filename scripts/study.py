@@ -34,7 +34,6 @@ when they have been run; so a CPT piece writes its own results/cpt/<dataset>.md,
 Good run: one line per step with its time; results/<dataset>.md starts with the claims table.
 """
 import argparse
-import glob
 import importlib.util
 import json
 import os
@@ -377,17 +376,22 @@ def collect(a, variants):
 
 
 def collect_cpt(a):
-    """{init: {epoch: [07's numbers per seed]}} from the CPT chains' diag_cpt<E>.json (epoch 0 = 03's rows)."""
-    out = {}
+    """({init: {epoch: [07's numbers per seed]}} from the CPT chains' diag_cpt<E>.json (epoch 0 = 03's rows),
+    {"<dataset>/_cpt/<init>/seed<s>": the chain's seconds per step}) in one walk over the chains' folders."""
+    out, times = {}, {}
     for init, eps in CPT_EPOCHS.items():
         root = os.path.join(a.work_dir, a.dataset, "_cpt", init)
         seeds = sorted(d for d in os.listdir(root) if re.fullmatch(r"seed\d+", d)) if os.path.isdir(root) else []
+        for sd in seeds:
+            t = load_json(os.path.join(root, sd, "logs", "timings.json"))
+            if t:
+                times[os.path.relpath(os.path.join(root, sd), a.work_dir)] = t
         for e in (0, *eps):
             ds = [(load_json(os.path.join(root, sd, f"diag_cpt{e}.json")) or {}).get("models", {}).get(init)
                   for sd in seeds]
             if any(ds):
                 out.setdefault(init, {})[e] = [d for d in ds if d]
-    return out
+    return out, dict(sorted(times.items()))
 
 
 def per_user(runs, targets, cold, key="topk"):
@@ -568,8 +572,8 @@ def claim_row(res, pu, kind, a_, b_, what, cpt=None):
         if va is None or vb is None or not max(ea, eb):
             return "not run", "not run yet"
         e = va - vb
-        return (f"{key}: {a_} after {ea} CPT epochs {va:.3f} ({na} seeds), {b_} after {eb} CPT epochs {vb:.3f} "
-                f"({nb} seeds); effect a - b = {e:+.3f} (threshold {t})", threshold_verdict(e, t))
+        return (f"{key}: {a_} after {ea} CPT epochs {va:.3f} ({na} seed{'s' * (na > 1)}), {b_} after {eb} CPT epochs "
+                f"{vb:.3f} ({nb} seed{'s' * (nb > 1)}); effect a - b = {e:+.3f} (threshold {t})", threshold_verdict(e, t))
     if kind == "paired":
         part, metric = what.split(":") if ":" in what else ("all", what)
         if not (pu.get(a_) and pu.get(b_)):
@@ -636,8 +640,7 @@ def report(a, res, targets, popularity, cmd, figs=()):
     variants = [v for v in res if res[v]]
     cold = popularity[targets] <= COLD_MAX
     pu = {v: per_user(res[v], targets, cold) for v in variants}
-    chains = {os.path.relpath(os.path.dirname(os.path.dirname(f)), a.work_dir): load_json(f) for f in
-              sorted(glob.glob(os.path.join(a.work_dir, a.dataset, "_cpt", "*", "seed*", "logs", "timings.json")))}
+    cpt, chains = collect_cpt(a)
     md = [f"# Study: {a.dataset}", "",
           f"Command: `{cmd}` (pieces: `--seeds 0`, `--seeds 1`, `--seeds 2`; this report covers the runs finished when "
           f"it was written).  ", f"Machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, device "
@@ -653,7 +656,6 @@ def report(a, res, targets, popularity, cmd, figs=()):
           "interval covers the training runs: the 95% t interval of the per-seed differences (seed s of a minus "
           "seed s of b, which saw the same SFT example order).", ""]
     # --- claims
-    cpt = collect_cpt(a)
     fewest = min([len(res[v]) for v in variants] + [len(ds) for per in cpt.values() for ds in per.values()])
     md += ["## The papers' claims", "", "Verdict: reproduced when the 95% interval of (ours - baseline) lies above 0, "
            "not reproduced when it lies below 0, inconclusive when it contains 0; with >= 2 seed pairs both intervals "
@@ -800,7 +802,7 @@ def main(argv=None):
     import torch
     data = torch.load(ds, weights_only=True)
     res = collect(a, list(VARIANTS))
-    if not any(res.values()) and not collect_cpt(a):
+    if not any(res.values()) and not collect_cpt(a)[0]:
         die(f"no finished run under {os.path.join(a.work_dir, a.dataset)}; run a piece first")
     os.makedirs(a.results_dir, exist_ok=True)
     figs = seed0_figures(a, [v for v in VARIANTS if res[v]])
