@@ -12,7 +12,8 @@ is the same whatever --epochs is), counted in --epochs over the pairs.
 One CPT epoch on ML-100K = 378 steps of 8 pairs: 613 s measured on 2 CPU cores (bf16).
 Reads:  <model> (03's folder, default <out-dir>/models/centroid), <out-dir>/dataset.pt
 Writes: <save> (default <model>+gti; --train all: <model>+cpt<E> at each of --save-epochs): model,
-        tokenizer, sid_vocab.json, 04_ground.json
+        tokenizer, sid_vocab.json, 04_ground.json; --train all: <save>.resume.pt at each of
+        --save-epochs (--resume continues from it; the finished run removes it)
 CPU:  python 04_ground.py --model out/ml-100k/models/centroid
 GPU:  python 04_ground.py --device cuda --steps 2000 --batch-size 64       (the same default model)
 CPT:  python 04_ground.py --model out/ml-100k/models/random --train all --epochs 4 --save-epochs 1,2
@@ -75,6 +76,8 @@ class Args:
     """truncate item texts to this many tokens"""
     log_every: Annotated[int, ">= 1"] = 25
     """steps per log line"""
+    resume: bool = False
+    """--train all: continue from <save>.resume.pt, written at each --save-epochs epoch"""
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     """auto = cuda, else mps, else cpu"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -161,10 +164,12 @@ def new_row_shift(model, new_ids: torch.Tensor):
                                     for w, s in zip(ws, start))))
 
 
-def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args, at_step=None):
+def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args, at_step=None,
+                state=None):
     """The loop: pairs -> logits at the targets -> loss -> masked row update, AdamW with linear
-    warmup then cosine decay to 0 (CPT: constant); at_step(step) after each step. Returns the loss
-    curve (a point per log line) and its seconds. An epoch = len(pairs) // batch_size steps, then a
+    warmup then cosine decay to 0 (CPT: constant); at_step(step, snapshot) after each step, where
+    snapshot() is the loop's state, which `state` restores (--resume). Returns the loss curve (a
+    point per log line) and its seconds. An epoch = len(pairs) // batch_size steps, then a
     reshuffle."""
     opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
                             fused=device.type in ("cuda", "cpu"))      # fused: one kernel per step
@@ -175,9 +180,15 @@ def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args, at_st
             return (s + 1) / w
         return 1.0 if args.train == "all" else 0.5 * (1 + math.cos(math.pi * (s - w) / decay))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    order, pos, curve, t_loop = [], 0, [], time.time()
-    (run_loss, run_hit, run_n), t_int = (0.0, 0.0, 0.0), time.time()
-    for step in range(1, args.steps + 1):
+    order, pos, curve, t_loop, first, run = [], 0, [], time.time(), 1, (0.0, 0.0, 0.0)
+    if state:                                    # saved at an epoch's end: the next step reshuffles
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        g.set_state(state["g"])
+        first, curve, run = state["step"] + 1, state["curve"], state["run"]
+        t_loop -= state["s"]
+    (run_loss, run_hit, run_n), t_int = run, time.time()
+    for step in range(first, args.steps + 1):
         if pos + args.batch_size > len(order):                  # new epoch: reshuffle the pairs
             order, pos = torch.randperm(len(pairs), generator=g).tolist(), 0
         batch = [pairs[i] for i in order[pos:pos + args.batch_size]]
@@ -193,8 +204,6 @@ def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args, at_st
             torch.nn.utils.clip_grad_norm_(trained, args.grad_clip)
         opt.step()
         sched.step()
-        if at_step:
-            at_step(step)
         run_loss += loss.item()
         run_hit += float((logits.argmax(-1) == y)[is_t2s].sum())
         run_n += float(is_t2s.sum())
@@ -205,6 +214,10 @@ def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args, at_st
                   f"{sched.get_last_lr()[0]:.2e} | {1000 * (time.time() - t_int) / k:.0f} ms/step",
                   flush=True)
             (run_loss, run_hit, run_n), t_int = (0.0, 0.0, 0.0), time.time()
+        if at_step:
+            at_step(step, lambda: {"step": step, "opt": opt.state_dict(),
+                                   "sched": sched.state_dict(), "g": g.get_state(), "curve": curve,
+                                   "s": time.time() - t_loop, "run": (run_loss, run_hit, run_n)})
     return curve, time.time() - t_loop
 
 
@@ -258,6 +271,8 @@ def main():
     args.save = args.save or args.model.rstrip("/") + ("+gti" if rows else f"+cpt{args.epochs}")
     if not 0 <= args.holdout_frac < 1:
         die(f"--holdout-frac {args.holdout_frac}: must be in [0, 1)")
+    if args.resume and rows:
+        die("--resume: only --train all writes a resume state; rerun without --resume")
     save_epochs = parse_save_epochs(args)
     seed_everything(args.seed)
     device = pick_device(args.device)
@@ -297,17 +312,28 @@ def main():
         trained = list(model.to(device).requires_grad_(True).parameters())
         unchanged = new_row_shift(model, new_ids.to(device))
     files = {"sid_vocab.json": json.dumps(vocab)}
+    ckpt, key = f"{args.save}.resume.pt", {k: v for k, v in dataclasses.asdict(args).items()
+                                             if k not in ("resume", "device", "log_every")}
+    state = resume(ckpt, key, model) if args.resume else None
 
-    def at_step(step):                                          # CPT: folders at chosen epochs
+    def at_step(step, snapshot):                                # CPT: folders at chosen epochs
         e = step // per_epoch
         if step % per_epoch == 0 and e in save_epochs and e != args.epochs:
             info = {"train": "all", "epoch": e, "step": step, "args": dataclasses.asdict(args)}
             dst = f"{args.model.rstrip('/')}+cpt{e}"
             save_folder(dst, model, tok, {**files, "04_ground.json": json.dumps(info, indent=2)})
-            print(f"epoch {e}: saved {dst}", flush=True)
+            ck = {**snapshot(), "model": model.state_dict(), "rng": torch.get_rng_state(),
+                  "acc_before": acc["before"], "key": key}
+            atomic_write(ckpt, lambda t: torch.save(ck, t))    # --resume continues from here
+            print(f"epoch {e}: saved {dst} and {ckpt}", flush=True)
 
-    accuracy("before")
-    curve, train_s = ground_rows(model, pairs, trained, g, pad_id, device, ctx, args, at_step)
+    if state:
+        acc["before"] = state["acc_before"]
+        print(f"resumed from {ckpt} after step {state['step']}")
+    else:
+        accuracy("before")
+    curve, train_s = ground_rows(model, pairs, trained, g, pad_id, device, ctx, args, at_step,
+                                 state)
     accuracy("after")
     frozen_ok, moved = unchanged()
     print(f"pretrained rows unchanged: {frozen_ok}; mean shift of the new rows {moved:.4f}")
@@ -324,7 +350,23 @@ def main():
               "new_row_shift": round(moved, 4), "train_seconds": round(train_s, 1),
               "seconds": round(time.time() - t0, 1)}
     save_folder(args.save, model, tok, {**files, "04_ground.json": json.dumps(report, indent=2)})
+    if os.path.exists(ckpt):                                    # the finished run needs no resume
+        os.remove(ckpt)
     print(f"done in {time.time() - t0:.1f}s -> {args.save}")
+
+
+def resume(ckpt, key: dict, model):
+    """--resume (CPT): the model and RNG from <save>.resume.pt (same arguments, or one line);
+    returns the loop's state for ground_rows."""
+    ck = load_pt(ckpt, "it is written at each --save-epochs epoch of --train all; run without "
+                       "--resume")
+    diff = [k for k in key if ck["key"].get(k) != key[k]]
+    if diff:
+        die(f"--resume: {ckpt} was written with other arguments ({', '.join(diff)}); use the "
+            "same ones or run without --resume")
+    model.load_state_dict(ck["model"])
+    torch.set_rng_state(ck["rng"])
+    return ck
 
 
 # --------------------------------------------------------------------------------------------------
@@ -410,6 +452,20 @@ def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def atomic_write(path: str, write):
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
+    torch:  atomic_write(p, lambda t: torch.save(obj, t))
+    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (a str path would get .npy)
+    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def save_folder(dst: str, model, tok, files: dict):

@@ -95,7 +95,8 @@ clean:
 # The study: 11 init variants (8 + the RQ-KMeans tokenizer axis) x seeds through
 # 03 -> (04) -> 05 -> 07 -> 06 at `make run`'s budget, then results/$(DATASET).md (claims table) + figures.
 # One seed is one piece of ~2.2 h on 2 CPU cores: `make study SEEDS=0`, then SEEDS=1, SEEDS=2. A killed piece
-# resumes when rerun (finished steps are skipped, 05 continues from its last validation). Every piece ends with
+# resumes when rerun (finished steps are skipped, 05 continues from its last validation, a CPT chain's 04
+# from its last saved epoch). Every piece ends with
 # the report over all finished runs (and scripts/power.py's MDE per claim: results/<dataset>_power.md);
 # `make study-report` redoes only the reports; `make study-plan` prints the
 # plan and its estimated CPU time. EXACT=1 adds 06 --search exact for seed 0 (~9 min per variant).

@@ -240,8 +240,8 @@ def execute(a, steps, logs):
         bad = [x for x in s.args if x.startswith("--") and x not in script_flags(s.script)]
         if bad:
             die(f"{s.script} has no {', '.join(bad)}; update scripts/study.py to its current flags")
-        args = s.args + (["--resume"] if s.script == "05_sft.py" and os.path.exists(s.args[s.args.index("--save") + 1]
-                                                                                   + ".resume.pt") else [])
+        save = s.args[s.args.index("--save") + 1] if "--save" in s.args else ""   # 05, and 04's CPT chains
+        args = s.args + (["--resume"] if save and os.path.exists(save + ".resume.pt") else [])
         line = f"python {s.script} {' '.join(args)}"
         if os.path.exists(s.done):
             print(f"  skip (done)  {line}")

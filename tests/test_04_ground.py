@@ -1,6 +1,8 @@
 """04_ground.py: only the new rows move (bit-identical everything else), the loss falls, the folder reloads."""
 import json
 import os
+import shutil
+import sys
 
 import pytest
 import torch
@@ -160,3 +162,53 @@ def test_cpt_trains_every_parameter_and_saves_the_chosen_epochs(synthetic_out, t
                  ["--epochs", 2, "--save-epochs", "1"]):
         err = assert_one_line_error(run("04_ground.py", "--out-dir", synthetic_out, "--model", src, *flag, check=False))
         assert "--save-epochs" in err
+
+
+class Killed(Exception):
+    pass
+
+
+def test_cpt_resumes_from_a_saved_epoch(synthetic_out, tiny_model, tmp_path, monkeypatch):
+    """A CPT run killed while saving epoch 2 continues with --resume from its epoch-1 state to the same
+    weights, loss curve and accuracies as the run that was not killed (in-process, so the kill is exact);
+    --resume with other arguments, with nothing to resume, or with --train rows is one line."""
+    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "random")
+    ref, killed = (os.path.join(tmp_path, n) for n in ("ref", "killed"))
+    for dst in (ref, killed):
+        shutil.copytree(os.path.join(synthetic_out, "models", "random"), dst)
+    flags = ["--out-dir", synthetic_out, "--train", "all", "--epochs", "3", "--save-epochs", "1,2",
+             "--batch-size", "8", "--lr", "3e-3", "--warmup", "2", "--log-every", "3", "--max-eval", "8",
+             "--device", "cpu"]                                  # 13 steps an epoch: it ends inside a log interval
+
+    def main(model, *extra, kill_at=None):
+        mod = load_script("04_ground.py")
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)    # parse_args reads Args' source
+        if kill_at:
+            def save_folder(dst, *a):
+                if dst.endswith(kill_at):
+                    raise Killed(dst)
+                real(dst, *a)
+            real = mod.save_folder
+            monkeypatch.setattr(mod, "save_folder", save_folder)
+        monkeypatch.setattr(sys, "argv", ["04_ground.py", "--model", model, *flags, *extra])
+        mod.main()
+
+    main(ref)
+    assert not os.path.exists(ref + "+cpt3.resume.pt")          # a finished run removes it
+    with pytest.raises(Killed):
+        main(killed, kill_at="+cpt2")
+    assert os.path.isdir(killed + "+cpt1") and not os.path.exists(killed + "+cpt3")
+    assert os.path.exists(killed + "+cpt3.resume.pt")
+    for extra, words in ((["--lr", "1e-3"], "other arguments (lr)"), (["--train", "rows"], "only --train all")):
+        err = assert_one_line_error(run("04_ground.py", "--model", killed, *flags, *extra, "--resume", check=False))
+        assert words in err, err
+    err = assert_one_line_error(run("04_ground.py", "--model", ref, *flags, "--resume", check=False))
+    assert "resume.pt not found" in err, err
+    main(killed, "--resume")
+    assert not os.path.exists(killed + "+cpt3.resume.pt")
+    for e in (2, 3):
+        a, b = params(f"{ref}+cpt{e}"), params(f"{killed}+cpt{e}")
+        assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+    ra, rb = (json.load(open(os.path.join(f"{m}+cpt3", "04_ground.json"))) for m in (ref, killed))
+    for k in ("loss_curve", "before", "after", "new_row_shift", "held_out_acc_after"):
+        assert ra[k] == rb[k], k

@@ -264,6 +264,9 @@ def fake_step(calls, kill):
             model_folder(os.path.join(val("--out-dir"), "models", val("--init")))
         elif script == "04_ground.py":
             model_folder(val("--save"))
+            if kill and kill in val("--save") and "--train" in args and "--resume" not in args:   # a CPT chain
+                open(val("--save") + ".resume.pt", "w").write("state")
+                raise SystemExit("killed")
             json.dump({}, open(os.path.join(val("--save"), "04_ground.json"), "w"))
         elif script == "05_sft.py":
             model_folder(val("--save"))
@@ -354,8 +357,15 @@ def test_cpt_chain_runs_once_per_init_and_seed(tmp_path, monkeypatch):
     assert "## Geometry after CPT" in md and "| random | 8 | 1 |" in md
 
     calls.clear()
-    study.main(["--variants", "random+cpt8,centroid+cpt1", "--cpt-only"] + base)
-    assert [c[0] for c in calls] == ["03_expand_vocab.py", "07_diagnose.py", "04_ground.py"] + ["07_diagnose.py"] * 3
+    monkeypatch.setattr(study, "run_script", fake_step(calls, kill="centroid+cpt4"))
+    with pytest.raises(SystemExit, match="killed"):                   # killed inside the centroid chain's 04
+        study.main(["--variants", "random+cpt8,centroid+cpt1", "--cpt-only"] + base)
+    assert [c[0] for c in calls] == ["03_expand_vocab.py", "07_diagnose.py", "04_ground.py"]
     g = calls[2][1]
     assert g[g.index("--epochs") + 1] == "4" and "centroid" in g[g.index("--model") + 1]
     assert calls[0][1][calls[0][1].index("--centroid-scale") + 1] == "level"
+    calls.clear()
+    monkeypatch.setattr(study, "run_script", fake_step(calls, kill=""))
+    study.main(["--variants", "random+cpt8,centroid+cpt1", "--cpt-only"] + base)
+    assert [c[0] for c in calls] == ["04_ground.py"] + ["07_diagnose.py"] * 3   # 04 continues: --resume
+    assert calls[0][1] == g + ["--resume"]
