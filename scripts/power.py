@@ -60,6 +60,21 @@ def parse_claims(text: str):
     return [r[:4] for r in rows if len(r) >= 4]
 
 
+def split_comparisons(claim, paper, ours, verdict):
+    """A CPT row holds two paired comparisons ("a - b: <interval ...>; a - c: <interval ...>"): one
+    row each, its verdict read from its own interval(s); any other row is returned as it is."""
+    parts = re.findall(r"(\S+ - \S+): (.*?)(?=; \S+ - \S+: |$)", ours)
+    if not parts:
+        return [(claim, paper, ours, verdict)]
+    out = []
+    for name, text in parts:
+        ivs = [(float(lo), float(hi)) for lo, hi in re.findall(r"\[" + NUM + ", " + NUM + r"\]", text)]
+        sides = {"above 0" if lo > 0 else "below 0" if hi < 0 else "covers 0" for lo, hi in ivs}
+        v = "inconclusive" if sides != {"above 0"} and sides != {"below 0"} else f"{sides.pop()}"
+        out.append((f"{claim}: {name}", paper, text, v))
+    return out
+
+
 def analyse(claim, paper, ours, verdict, users: int):
     """One claim -> a dict, or None when the claim has no paired number (geometry, not tested)."""
     rel = re.search(r"([+-]?\d+(?:\.\d+)?)%", paper)
@@ -128,7 +143,8 @@ def main():
     src = os.path.join(REPO, a.results_dir, f"{a.dataset}.md")
     if not os.path.exists(src):
         sys.exit(f"error: {src} not found; run `make study-report` first")
-    rows = [r for r in (analyse(*c, a.users) for c in parse_claims(open(src).read())) if r]
+    rows = [r for r in (analyse(*c, a.users) for row in parse_claims(open(src).read())
+                        for c in split_comparisons(*row)) if r]
     if not rows:
         sys.exit(f"error: {src} has no paired claim with the paper's effect; is it study.py's report?")
     text = [f"# What each verdict could have detected ({a.dataset})", "",

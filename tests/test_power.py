@@ -44,3 +44,18 @@ def test_reads_a_claim_row_into_mde_and_meaning():
     assert row["k"] == 3 and abs(row["mde_seeds"] - (4.303 + 1.061) * 0.0322 / 2 / 4.303) < 1e-6
     (line,) = pw.report([row], 943, 22363)[2:]
     assert "underpowered" in line
+
+
+def test_a_cpt_row_is_two_comparisons():
+    """The CPT claim's cell holds two paired intervals: each gets its own row, MDE and verdict."""
+    ours = ("centroid+cpt1 - random+cpt2: +0.0080 [-0.0030, +0.0190] (+11.0%); 1 vs 1 seeds (1 common), 943 users; "
+            "centroid+cpt1 - random+cpt8: -0.0150 [-0.0260, -0.0040] (-18.0%); 1 vs 1 seeds (1 common), 943 users")
+    rows = pw.split_comparisons("centroid + 1-4 CPT ~ random + 6-10", "qualitative", ours, "not reproduced")
+    assert [r[0].split(": ")[1] for r in rows] == ["centroid+cpt1 - random+cpt2", "centroid+cpt1 - random+cpt8"]
+    assert [r[3] for r in rows] == ["inconclusive", "below 0"]
+    a, b = (pw.analyse(*r, 943) for r in rows)
+    assert a["effect"] is None and abs(a["mde_users"] - (1.959964 + 0.841621) * 0.022 / 2 / 1.959964) < 1e-6
+    assert abs(b["ours"] + 0.015) < 1e-12
+    assert "the paper gives no size" in pw.report([a], 943, 22363)[2]
+    assert pw.split_comparisons("c", "p", "+0.0060 [-0.0035, +0.0159] (+8.9%)", "v") == \
+        [("c", "p", "+0.0060 [-0.0035, +0.0159] (+8.9%)", "v")]
