@@ -182,7 +182,7 @@ def ground_rows(model, pairs, trained, g, pad_id, device, ctx, args: Args, at_st
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     order, pos, curve, t_loop, first, run = [], 0, [], time.time(), 1, (0.0, 0.0, 0.0)
     if state:                                    # saved at an epoch's end: the next step reshuffles
-        opt.load_state_dict(state["opt"])
+        opt.load_state_dict(state.pop("opt"))                  # copied in: drop the file's copy
         sched.load_state_dict(state["sched"])
         g.set_state(state["g"])
         first, curve, run = state["step"] + 1, state["curve"], state["run"]
@@ -364,7 +364,7 @@ def resume(ckpt, key: dict, model):
     if diff:
         die(f"--resume: {ckpt} was written with other arguments ({', '.join(diff)}); use the "
             "same ones or run without --resume")
-    model.load_state_dict(ck["model"])
+    model.load_state_dict(ck.pop("model"))                  # copied in: drop the file's copy
     torch.set_rng_state(ck["rng"])
     return ck
 

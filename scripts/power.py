@@ -70,7 +70,7 @@ def split_comparisons(claim, paper, ours, verdict):
     for name, text in parts:
         ivs = [(float(lo), float(hi)) for lo, hi in re.findall(r"\[" + NUM + ", " + NUM + r"\]", text)]
         sides = {"above 0" if lo > 0 else "below 0" if hi < 0 else "covers 0" for lo, hi in ivs}
-        v = "inconclusive" if sides != {"above 0"} and sides != {"below 0"} else f"{sides.pop()}"
+        v = sides.pop() if sides in ({"above 0"}, {"below 0"}) else "inconclusive"
         out.append((f"{claim}: {name}", paper, text, v))
     return out
 
