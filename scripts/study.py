@@ -376,7 +376,7 @@ def collect(a, variants):
 
 
 def collect_cpt(a):
-    """({init: {epoch: [07's numbers per seed]}} from the CPT chains' diag_cpt<E>.json (epoch 0 = 03's rows),
+    """({init: {epoch: {seed: 07's numbers}}} from the CPT chains' diag_cpt<E>.json (epoch 0 = 03's rows),
     {"<dataset>/_cpt/<init>/seed<s>": the chain's seconds per step}) in one walk over the chains' folders."""
     out, times = {}, {}
     for init, eps in CPT_EPOCHS.items():
@@ -387,10 +387,10 @@ def collect_cpt(a):
             if t:
                 times[os.path.relpath(os.path.join(root, sd), a.work_dir)] = t
         for e in (0, *eps):
-            ds = [(load_json(os.path.join(root, sd, f"diag_cpt{e}.json")) or {}).get("models", {}).get(init)
-                  for sd in seeds]
-            if any(ds):
-                out.setdefault(init, {})[e] = [d for d in ds if d]
+            ds = {int(sd[4:]): (load_json(os.path.join(root, sd, f"diag_cpt{e}.json")) or {}).get("models", {})
+                  .get(init) for sd in seeds}
+            if any(ds.values()):
+                out.setdefault(init, {})[e] = {s: d for s, d in ds.items() if d}
     return out, dict(sorted(times.items()))
 
 
@@ -476,14 +476,13 @@ def geo(res, v, stage, key):
     return float(np.mean(xs)) if xs else None
 
 
-def cpt_geo(cpt, init, epoch, key):
-    """Mean over the chains' seeds of a 07 number after `epoch` CPT epochs ("last": the most run); None if absent."""
+def cpt_geo(cpt, init, epoch, key, seeds=None):
+    """{seed: a 07 number} of the chains after `epoch` CPT epochs ("last": the most run), the `seeds` only if given."""
     per = cpt.get(init, {})
     epoch = max(per, default=None) if epoch == "last" else epoch
-    ds = per.get(epoch, [])
-    xs = [d["purity"] if key == "purity" else d["levels"]["all"].get(key) for d in ds]
-    xs = [x for x in xs if x is not None]
-    return (float(np.mean(xs)), epoch, len(xs)) if xs else (None, epoch, 0)
+    xs = {s: d["purity"] if key == "purity" else d["levels"]["all"].get(key) for s, d in per.get(epoch, {}).items()
+          if seeds is None or s in seeds}
+    return {s: x for s, x in xs.items() if x is not None}, epoch
 
 
 def convergence(res, a_, b_):
@@ -567,13 +566,15 @@ def claim_row(res, pu, kind, a_, b_, what, cpt=None):
              else "inconclusive")
         return f"{a_} - {b_}: {t2}; {a_} - {what}: {t8}", v
     if kind == "cpt_geometry":
-        key, ea, eb, t = what
-        (va, ea, na), (vb, eb, nb) = cpt_geo(cpt or {}, a_, ea, key), cpt_geo(cpt or {}, b_, eb, key)
-        if va is None or vb is None or not max(ea, eb):
+        key, ea, eb, t = what                                  # both sides over the seeds both chains reached
+        (xa, ea), (xb, eb) = cpt_geo(cpt or {}, a_, ea, key), cpt_geo(cpt or {}, b_, eb, key)
+        both = sorted(set(xa) & set(xb))
+        if not both or not max(ea, eb):
             return "not run", "not run yet"
-        e = va - vb
-        return (f"{key}: {a_} after {ea} CPT epochs {va:.3f} ({na} seed{'s' * (na > 1)}), {b_} after {eb} CPT epochs "
-                f"{vb:.3f} ({nb} seed{'s' * (nb > 1)}); effect a - b = {e:+.3f} (threshold {t})", threshold_verdict(e, t))
+        va, vb = np.mean([xa[s] for s in both]), np.mean([xb[s] for s in both])
+        n = f"seed{'s' * (len(both) > 1)} {','.join(map(str, both))}"
+        return (f"{key}: {a_} after {ea} CPT epochs {va:.3f}, {b_} after {eb} CPT epochs {vb:.3f} (mean over {n}); "
+                f"effect a - b = {va - vb:+.3f} (threshold {t})", threshold_verdict(va - vb, t))
     if kind == "paired":
         part, metric = what.split(":") if ":" in what else ("all", what)
         if not (pu.get(a_) and pu.get(b_)):
@@ -723,9 +724,11 @@ def report(a, res, targets, popularity, cmd, figs=()):
                "| init | CPT epochs | seeds | " + " | ".join(n for _, n in GEOMETRY) + " | purity@10 |",
                "|---" * (len(GEOMETRY) + 4) + "|"]
         for init, per in cpt.items():
-            md += [f"| {init} | {e} | {len(ds)} | " + " | ".join(mean_std([d["levels"]["all"].get(k) for d in ds],
-                                                                           "{:.2f}") for k, _ in GEOMETRY)
-                   + f" | {mean_std([d['purity'] for d in ds], '{:.3f}')} |" for e, ds in sorted(per.items())]
+            for e, ds in sorted(per.items()):
+                ds_ = list(ds.values())
+                md.append(f"| {init} | {e} | {len(ds)} ({','.join(map(str, sorted(ds)))}) | "
+                          + " | ".join(mean_std([d["levels"]["all"].get(k) for d in ds_], "{:.2f}") for k, _ in GEOMETRY)
+                          + f" | {mean_std([d['purity'] for d in ds_], '{:.3f}')} |")
     # --- validation curves
     figs = [validation_figure(a, res, variants, thr) if variants else None] + list(figs)
     if any(figs):

@@ -170,11 +170,12 @@ def test_report_on_constructed_runs(constructed):
     assert "centroid+cpt1 - random+cpt8: +0.0000" in cpt[2]
     assert cpt[3] == "reproduced" and "--variants centroid+cpt1,random+cpt2,random+cpt8`" in cpt[4]
     sem = claims["CPT does not recover semantics from random init (purity)"]   # .5 - mean(.32, .33, .34) >= .05
-    assert sem[3] == "reproduced" and "random after 8 CPT epochs 0.330 (3 seeds)" in sem[2] and "--cpt-only" in sem[4]
+    assert sem[3] == "reproduced" and "--cpt-only" in sem[4]
+    assert "random after 8 CPT epochs 0.330 (mean over seeds 0,1,2)" in sem[2]
     assert "effect a - b = +0.350" in claims["random rows organize by popularity during CPT"][2]  # .4 - .05
     assert verdict["random rows organize by popularity during CPT"] == "reproduced"
     after = {(r[0], r[1]): r for r in table(md, "Geometry after CPT")}
-    assert after[("random", "8")][2] == "3" and after[("random", "8")][-1] == "0.330 +- 0.010"
+    assert after[("random", "8")][2] == "3 (0,1,2)" and after[("random", "8")][-1] == "0.330 +- 0.010"
     assert ("centroid", "0") in after and ("centroid", "8") not in after
     assert "--variants centroid,random" in claims["centroid vs random: Recall@5"][4]
     assert "--variants random`" in claims["random init drifts to a popularity axis (Thm 3.1)"][4]
@@ -187,6 +188,10 @@ def test_cpt_only_report(tmp_path):
                           "--dataset", "toy", "--variants", "random+cpt8,centroid+cpt1", "--cpt-only"])
     fake_chain(a, "random", 0, {0: (0.3, 0.05), 1: (0.3, 0.1), 8: (0.31, 0.12)})
     fake_chain(a, "centroid", 0, {0: (0.5, 0.1)})
+    # seed 1's chains stopped before epoch 8: the claims compare over seed 0 only, not 8 epochs of seed 0
+    # against the mean of two seeds' epoch 0 (that would read 0.12 - 0.55 here)
+    fake_chain(a, "random", 1, {0: (0.2, 1.05), 1: (0.2, 1.0)})
+    fake_chain(a, "centroid", 1, {0: (0.9, 0.1)})
     res = study.collect(a, list(study.VARIANTS))
     assert not any(res.values())
     md = open(study.report(a, res, np.arange(U), np.full(U, 100), "python scripts/study.py --dataset toy")).read()
@@ -194,11 +199,14 @@ def test_cpt_only_report(tmp_path):
     assert set(claims) == {c[0] for c in study.CLAIMS if c[2] in ("cpt", "cpt_geometry")}
     assert claims["CPT does not recover semantics from random init (purity)"][3] == "reproduced"   # .5 - .31
     assert claims["random rows organize by popularity during CPT"][3] == "inconclusive"           # .12 - .05 < .2
+    assert "effect a - b = +0.070" in claims["random rows organize by popularity during CPT"][2]
+    assert "(mean over seed 0)" in claims["CPT does not recover semantics from random init (purity)"][2]
     assert claims["centroid + 1-4 CPT epochs ~ random + 6-10 CPT epochs: Recall@5"][3] == "not run yet"
     assert f"Left out: {len(study.CLAIMS) - 3} claims" in md and "Provisional: 1 seed(s)" in md
     assert "Test metrics per variant" not in md and "Paired differences" not in md
     after = {(r[0], r[1]): r for r in table(md, "Geometry after CPT")}
     assert sorted(after) == [("centroid", "0"), ("random", "0"), ("random", "1"), ("random", "8")]
+    assert after[("random", "0")][2] == "2 (0,1)" and after[("random", "8")][2] == "1 (0)"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -354,7 +362,7 @@ def test_cpt_chain_runs_once_per_init_and_seed(tmp_path, monkeypatch):
     assert [c[1][c[1].index("--model") + 1] for c in calls if c[0] == "05_sft.py"] == [chain + "+cpt2", chain + "+cpt8"]
     assert os.path.exists(os.path.join(study.final_model(a, "random+cpt2", 0), "eval_test.json"))
     md = open(os.path.join(tmp_path / "r", "ml-100k.md")).read()
-    assert "## Geometry after CPT" in md and "| random | 8 | 1 |" in md
+    assert "## Geometry after CPT" in md and "| random | 8 | 1 (0) |" in md
 
     calls.clear()
     monkeypatch.setattr(study, "run_script", fake_step(calls, kill="centroid+cpt4"))
