@@ -275,7 +275,8 @@ def fake_step(calls, kill):
             if kill and kill in val("--save") and "--train" in args and "--resume" not in args:   # a CPT chain
                 open(val("--save") + ".resume.pt", "w").write("state")
                 raise SystemExit("killed")
-            json.dump({}, open(os.path.join(val("--save"), "04_ground.json"), "w"))
+            json.dump({"train_seconds": 600.0} if "--resume" in args else {},       # summed over the parts
+                      open(os.path.join(val("--save"), "04_ground.json"), "w"))
         elif script == "05_sft.py":
             model_folder(val("--save"))
             if kill and kill in val("--save") and "--resume" not in args:
@@ -377,3 +378,6 @@ def test_cpt_chain_runs_once_per_init_and_seed(tmp_path, monkeypatch):
     study.main(["--variants", "random+cpt8,centroid+cpt1", "--cpt-only"] + base)
     assert [c[0] for c in calls] == ["04_ground.py"] + ["07_diagnose.py"] * 3   # 04 continues: --resume
     assert calls[0][1] == g + ["--resume"]
+    chains = study.collect_cpt(a)[1]              # the resumed chain's time: 04's loop over both parts, not the last
+    assert chains[os.path.join("ml-100k", "_cpt", "centroid", "seed0")]["04c"] == 600.0
+    assert "04 of ml-100k/_cpt/centroid/seed0: 10 min" in open(os.path.join(tmp_path / "r", "ml-100k.md")).read()
