@@ -386,7 +386,8 @@ def collect_cpt(a):
             t = load_json(os.path.join(root, sd, "logs", "timings.json"))
             g = load_json(os.path.join(root, sd, "models", f"{init}+cpt{max(eps)}", "04_ground.json")) or {}
             if t:    # a resumed 04's timing covers its last part only; its training loop is summed over the parts
-                t["04c"] = max(t.get("04c", 0.0), g.get("train_seconds", 0.0))
+                if "04c" in t:
+                    t["04c"] = max(t["04c"], g.get("train_seconds", 0.0))
                 times[os.path.relpath(os.path.join(root, sd), a.work_dir)] = t
         for e in (0, *eps):
             ds = {int(sd[4:]): (load_json(os.path.join(root, sd, f"diag_cpt{e}.json")) or {}).get("models", {})

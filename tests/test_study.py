@@ -369,6 +369,7 @@ def test_cpt_chain_runs_once_per_init_and_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(study, "run_script", fake_step(calls, kill="centroid+cpt4"))
     with pytest.raises(SystemExit, match="killed"):                   # killed inside the centroid chain's 04
         study.main(["--variants", "random+cpt8,centroid+cpt1", "--cpt-only"] + base)
+    assert "04c" not in study.collect_cpt(a)[1][os.path.join("ml-100k", "_cpt", "centroid", "seed0")]  # no time yet
     assert [c[0] for c in calls] == ["03_expand_vocab.py", "07_diagnose.py", "04_ground.py"]
     g = calls[2][1]
     assert g[g.index("--epochs") + 1] == "4" and "centroid" in g[g.index("--model") + 1]
