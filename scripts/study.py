@@ -479,12 +479,11 @@ def geo(res, v, stage, key):
     return float(np.mean(xs)) if xs else None
 
 
-def cpt_geo(cpt, init, epoch, key, seeds=None):
-    """{seed: a 07 number} of the chains after `epoch` CPT epochs ("last": the most run), the `seeds` only if given."""
+def cpt_geo(cpt, init, epoch, key):
+    """({seed: a 07 number} of the chains after `epoch` CPT epochs, the epoch) ("last": the most epochs run)."""
     per = cpt.get(init, {})
     epoch = max(per, default=None) if epoch == "last" else epoch
-    xs = {s: d["purity"] if key == "purity" else d["levels"]["all"].get(key) for s, d in per.get(epoch, {}).items()
-          if seeds is None or s in seeds}
+    xs = {s: d["purity"] if key == "purity" else d["levels"]["all"].get(key) for s, d in per.get(epoch, {}).items()}
     return {s: x for s, x in xs.items() if x is not None}, epoch
 
 
