@@ -384,9 +384,9 @@ def collect_cpt(a):
         seeds = sorted(d for d in os.listdir(root) if re.fullmatch(r"seed\d+", d)) if os.path.isdir(root) else []
         for sd in seeds:
             t = load_json(os.path.join(root, sd, "logs", "timings.json"))
-            g = load_json(os.path.join(root, sd, "models", f"{init}+cpt{max(eps)}", "04_ground.json")) or {}
-            if t:    # a resumed 04's timing covers its last part only; its training loop is summed over the parts
-                if "04c" in t:
+            if t:
+                if "04c" in t:   # a resumed 04's timing covers its last part; its loop is summed over the parts
+                    g = load_json(os.path.join(root, sd, "models", f"{init}+cpt{max(eps)}", "04_ground.json")) or {}
                     t["04c"] = max(t["04c"], g.get("train_seconds", 0.0))
                 times[os.path.relpath(os.path.join(root, sd), a.work_dir)] = t
         for e in (0, *eps):
@@ -727,10 +727,11 @@ def report(a, res, targets, popularity, cmd, figs=()):
                "|---" * (len(GEOMETRY) + 4) + "|"]
         for init, per in cpt.items():
             for e, ds in sorted(per.items()):
-                ds_ = list(ds.values())
+                diags = list(ds.values())
                 md.append(f"| {init} | {e} | {len(ds)} ({','.join(map(str, sorted(ds)))}) | "
-                          + " | ".join(mean_std([d["levels"]["all"].get(k) for d in ds_], "{:.2f}") for k, _ in GEOMETRY)
-                          + f" | {mean_std([d['purity'] for d in ds_], '{:.3f}')} |")
+                          + " | ".join(mean_std([d["levels"]["all"].get(k) for d in diags], "{:.2f}")
+                                       for k, _ in GEOMETRY)
+                          + f" | {mean_std([d['purity'] for d in diags], '{:.3f}')} |")
     # --- validation curves
     figs = [validation_figure(a, res, variants, thr) if variants else None] + list(figs)
     if any(figs):
