@@ -257,8 +257,9 @@ def execute(a, steps, logs):
             tj = os.path.join(logs, "timings.json")                    # seconds per step, kept across resumes
             os.makedirs(logs, exist_ok=True)
             times = json.load(open(tj)) if os.path.exists(tj) else {}
-            with open(tj, "w") as f:
+            with open(tj + ".tmp", "w") as f:
                 json.dump({**times, s.name: round(dt, 1)}, f, indent=1)
+            os.replace(tj + ".tmp", tj)
     return total
 
 
@@ -370,9 +371,18 @@ def collect(a, variants):
                          "sft": load_json(os.path.join(final, "05_sft.json")),
                          "diag": {st: (load_json(os.path.join(run, f"diag_{st}.json")) or {}).get("models", {}).get(v)
                                   for st in ("init", "ground", "sft")},
-                         "seconds": sum((load_json(os.path.join(run, "logs", "timings.json")) or {}).values())})
+                         "seconds": run_seconds(run, load_json(os.path.join(final, "05_sft.json")))})
         out[v] = runs
     return out
+
+
+def run_seconds(run, sft):
+    """A run's seconds (timings.json, per step). A resumed 05's timing covers its last part only, so 05 counts at
+    least its training loop and validation ranks summed over the parts (05_sft.json)."""
+    t = load_json(os.path.join(run, "logs", "timings.json")) or {}
+    if "05" in t and sft:
+        t["05"] = max(t["05"], sft.get("seconds", 0.0) + sft.get("rank_seconds", 0.0))
+    return sum(t.values())
 
 
 def collect_cpt(a):

@@ -282,7 +282,9 @@ def fake_step(calls, kill):
             if kill and kill in val("--save") and "--resume" not in args:
                 open(val("--save") + ".resume.pt", "w").write("state")
                 raise SystemExit("killed")
-            json.dump({"val_curve": RANDOM, "best_val_loss": 2.0}, open(os.path.join(val("--save"), "05_sft.json"), "w"))
+            json.dump({"val_curve": RANDOM, "best_val_loss": 2.0,                  # a resumed 05 sums its parts
+                       **({"seconds": 500.0, "rank_seconds": 100.0} if "--resume" in args else {})},
+                      open(os.path.join(val("--save"), "05_sft.json"), "w"))
         elif script == "07_diagnose.py":
             lv = {k: 0.5 for k, _ in study.GEOMETRY}
             json.dump({"models": {n: {"levels": {"all": lv}, "purity": 0.2} for n in val("--names").split(",")}},
@@ -329,6 +331,9 @@ def test_killed_piece_resumes(tmp_path, monkeypatch):
     sids = os.path.join(study.run_dir(study.parse_args(argv), "rqk-random", 0), "sids.npy")
     assert os.path.realpath(sids) == os.path.realpath(os.path.join(tok, "sids.npy"))   # its tokenizer's SIDs
     assert os.path.exists(os.path.join(tmp_path / "r", "ml-100k.md"))
+    runs = study.collect(study.parse_args(argv), ["random", "mean+gti"])
+    assert runs["random"][0]["seconds"] == 0.0                        # (the fake steps take 0 s)
+    assert runs["mean+gti"][0]["seconds"] == 600.0                    # the resumed 05: its loop over both parts
 
     calls.clear()
     study.main(argv)                                                  # everything done: nothing runs
