@@ -609,6 +609,10 @@ def claim_row(res, pu, kind, a_, b_, what, cpt=None):
     if kind == "steps":
         thr, steps, d = convergence(res, a_, b_)
         iv = t_interval(d)
+        if iv[0] is None and steps[a_] and steps[b_]:   # both ran, but no seed of both reached the loss
+            reach = lambda v: f"{sum(x is not None for x in steps[v].values())}/{len(steps[v])} seeds of {v}"  # noqa
+            return (f"no seed pair in which both reach val loss {thr:.3f} (the worse mean best of the two) within "
+                    f"the budget: {reach(a_)}, {reach(b_)} do", "inconclusive")
         if iv[0] is None:
             return "not run", "not run yet"
         mb = np.mean([x for x in steps[b_].values() if x is not None])

@@ -43,6 +43,11 @@ def test_steps_to_intervals_verdicts():
     assert study.verdict(-0.1, 0.2) == "inconclusive" and study.verdict(None, None) == "inconclusive"
     assert [study.threshold_verdict(e, 0.2) for e in (0.3, 0.1, -0.1, None)] == \
         ["reproduced", "inconclusive", "not reproduced", "inconclusive"]
+    run = lambda s, best: {"seed": s, "sft": {"best_val_loss": best, "val_curve": [[0, 5.0, 0.0], [44, best, 0.1]]}}
+    res = {"centroid": [run(0, 1.0), run(1, 3.0)], "random": [run(0, 3.0), run(1, 1.0)]}   # each seed: one reaches 2.0
+    ours, v = study.claim_row(res, {}, "steps", "centroid", "random", None)
+    assert v == "inconclusive" and "no seed pair" in ours and "1/2 seeds of centroid, 1/2 seeds of random" in ours
+    assert study.claim_row({"centroid": [], "random": []}, {}, "steps", "centroid", "random", None)[1] == "not run yet"
 
 
 # ---------------------------------------------------------------------------------------------------
