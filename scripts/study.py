@@ -364,14 +364,15 @@ def collect(a, variants):
             run, final = run_dir(a, v, s), final_model(a, v, s)
             if not os.path.exists(os.path.join(final, "eval_test_topk.npy")):
                 continue
+            sft = load_json(os.path.join(final, "05_sft.json"))
             runs.append({"seed": s, "eval": load_json(os.path.join(final, "eval_test.json")),
                          "topk": np.load(os.path.join(final, "eval_test_topk.npy")),
                          "exact_topk": np.load(os.path.join(final, "eval_test_exact_topk.npy"))
                          if os.path.exists(os.path.join(final, "eval_test_exact_topk.npy")) else None,
-                         "sft": load_json(os.path.join(final, "05_sft.json")),
+                         "sft": sft,
                          "diag": {st: (load_json(os.path.join(run, f"diag_{st}.json")) or {}).get("models", {}).get(v)
                                   for st in ("init", "ground", "sft")},
-                         "seconds": run_seconds(run, load_json(os.path.join(final, "05_sft.json")))})
+                         "seconds": run_seconds(run, sft)})
         out[v] = runs
     return out
 
@@ -609,12 +610,12 @@ def claim_row(res, pu, kind, a_, b_, what, cpt=None):
     if kind == "steps":
         thr, steps, d = convergence(res, a_, b_)
         iv = t_interval(d)
-        if iv[0] is None and steps[a_] and steps[b_]:   # both ran, but no seed of both reached the loss
-            reach = lambda v: f"{sum(x is not None for x in steps[v].values())}/{len(steps[v])} seeds of {v}"  # noqa
-            return (f"no seed pair in which both reach val loss {thr:.3f} (the worse mean best of the two) within "
-                    f"the budget: {reach(a_)}, {reach(b_)} do", "inconclusive")
         if iv[0] is None:
-            return "not run", "not run yet"
+            if not (steps[a_] and steps[b_]):
+                return "not run", "not run yet"
+            reach = [f"{sum(x is not None for x in steps[v].values())}/{len(steps[v])} seeds of {v}" for v in (a_, b_)]
+            return (f"no seed pair in which both reach val loss {thr:.3f} (the worse mean best of the two) within "
+                    f"the budget: {', '.join(reach)} do", "inconclusive")   # both ran; no seed of both reached it
         mb = np.mean([x for x in steps[b_].values() if x is not None])
         return (f"{fmt_iv(iv, '{:+.1f}')} steps fewer ({100 * iv[0] / mb:+.1f}% of {b_}'s {mb:.0f}) to val loss "
                 f"{thr:.3f} (the worse mean best of the two), linear between validations every {EVAL_EVERY} steps; "
