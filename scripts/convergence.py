@@ -13,8 +13,12 @@ Runs (each one resumable piece: a killed 05 continues with --resume at the next 
 
 Needs `make run` (out/ml-100k: dataset.pt, models/{random,centroid,centroid+gti}, sasrec/). Model
 selection reads only the validation item (05 --select ndcg runs 06 --split valid); the test split is
-scored once per run, on the chosen checkpoint. Writes results/ml-100k_convergence.md and
-results/ml-100k_convergence.png (validation NDCG@10 against epochs, SASRec and most-popular as lines).
+scored once per run, on the chosen checkpoint. A finished run leaves a small record in
+results/convergence/ (<run>.json: 05's curves, steps and times, the test metrics; <run>_test_topk.npy:
+each user's ranked test list), committed with its numbers: the report is built from the records, so
+runs made on different machines or days add up, and out/ can be deleted once a run's record is written.
+Writes results/ml-100k_convergence.md and results/ml-100k_convergence.png (validation NDCG@10 against
+epochs, SASRec and most-popular as lines).
 """
 import argparse
 import json
@@ -27,8 +31,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
-from study import REPO, ev  # noqa: E402  (ev = 06's metrics)
+from study import REPO, ev, t_interval, verdict  # noqa: E402  (ev = 06's metrics)
 OUT = "out/ml-100k"
+RECORDS = "results/convergence"       # one finished run = <run>.json + <run>_test_topk.npy, committed
 S_PER_STEP, S_PER_RANK = 3.0, 200.0   # this 2-core VM: 05 s/step, one 06 --split valid (943 users)
 STEPS_PER_EPOCH = 660                  # ML-100K: 5,299 windows / 8 a step = 662 (05 prints the epochs)
 
@@ -47,7 +52,37 @@ def max_steps(a):
     return max(1, int(a.epochs * STEPS_PER_EPOCH) // a.eval_every) * a.eval_every
 
 
+def record_path(name, ext=".json"):
+    return f"{REPO}/{RECORDS}/{name}{ext}"
+
+
+def write_record(name, init, seed, run_dir):
+    """Keep what the report needs from a finished run (a few kB + one (users, 20) int32 array)."""
+    j, t = json.load(open(f"{run_dir}/05_sft.json")), json.load(open(f"{run_dir}/eval_test.json"))
+    topk = np.load(f"{run_dir}/eval_test_topk.npy", allow_pickle=False).astype(np.int32)
+    rec = {"run": name, "init": init, "seed": seed, "test": t["model"],
+           "steps_per_epoch": (j["examples"] + j["aux_examples"]) / (j["batch_size"] * j["grad_accum"]),
+           **{k: j[k] for k in ("best_step", "stopped_at", "rank_curve", "seconds", "rank_seconds")}}
+    os.makedirs(f"{REPO}/{RECORDS}", exist_ok=True)
+    ev.atomic_write(record_path(name, "_test_topk.npy"), lambda p: np.save(open(p, "wb"), topk))
+    ev.atomic_write(record_path(name), lambda p: open(p, "w").write(json.dumps(rec, indent=1) + "\n"))
+
+
+def read_record(name, n_users):
+    """The run's record and its ranked test lists, or None when the run has not finished."""
+    if not os.path.exists(record_path(name)):
+        return None
+    rec = json.load(open(record_path(name)))
+    topk = np.load(record_path(name, "_test_topk.npy"), allow_pickle=False)
+    if topk.shape[0] != n_users:
+        sys.exit(f"error: {RECORDS}/{name}_test_topk.npy has {topk.shape[0]} users, dataset.pt "
+                 f"{n_users}; delete the record and rerun `python scripts/convergence.py --runs {name}`")
+    return rec, topk.astype(np.int64)
+
+
 def run_one(a, name, init, seed):
+    if os.path.exists(record_path(name)):
+        return                                           # finished here or on another machine
     save = f"{OUT}/convergence/{name}"
     os.makedirs(f"{REPO}/{OUT}/convergence", exist_ok=True)
     log = f"{REPO}/{save}.logs"
@@ -58,6 +93,30 @@ def run_one(a, name, init, seed):
             "--rank-users", str(a.rank_users), "--patience", "2", "--seed", str(seed), *resume], log)
     if not os.path.exists(f"{REPO}/{save}/eval_test.json"):
         sh(["06_eval.py", "--out-dir", OUT, "--model", save, "--protocol", "excluded"], log)
+    write_record(name, init, seed, f"{REPO}/{save}")
+
+
+def efficiency(recs):
+    """The centroid paper's efficiency claim (peak performance with 27% fewer SFT steps), paired by seed:
+    1 - centroid's best step / random's. A run whose best checkpoint is its last validation has not shown
+    its peak (it may still rise), so its pair cannot test the claim. -> (text lines, verdict)."""
+    lines, saved = [], []
+    for sd in sorted({j["seed"] for j, _ in recs.values() if j["init"] == "random"}):
+        pair = [recs.get(f"{i}-s{sd}", (None,))[0] for i in ("random", "centroid")]
+        if None in pair:
+            continue
+        r, c = pair
+        open_ = [i for i, j in zip(("random", "centroid"), pair) if j["best_step"] >= j["stopped_at"]]
+        lines.append(f"seed {sd}: best step random {r['best_step']}, centroid {c['best_step']}"
+                     + (f" ({' and '.join(open_)} best at its last validation: peak not reached)" if open_
+                        else f": centroid {c['best_step'] / r['best_step'] - 1:+.0%} steps"))
+        if not open_:
+            saved.append(1 - c["best_step"] / r["best_step"])
+    m, lo, hi = t_interval(saved)
+    if m is None:
+        return lines, "inconclusive: no seed pair where both runs reached their peak"
+    iv = "one seed pair, no interval" if lo is None else f"95% t interval over seed pairs [{-hi:+.0%}, {-lo:+.0%}]"
+    return lines, f"{verdict(lo, hi)}: centroid {-m:+.0%} steps to its peak vs random ({iv}; paper: -27%)"
 
 
 def report(a, runs):
@@ -66,17 +125,16 @@ def report(a, runs):
     pop, train = data["popularity"].numpy(), data["train"]
     pop_val = ev.rank_metrics(ev.popular_topk(pop, train, 20, True), valid)["ndcg@10"]
     sas = json.load(open(f"{REPO}/{OUT}/sasrec/eval_test.json"))
-    done = {n: r for n, r in runs.items() if os.path.exists(f"{REPO}/{OUT}/convergence/{n}/eval_test.json")}
+    recs = {n: rec for n in runs if (rec := read_record(n, len(test))) is not None}
+    done = {n: runs[n] for n in recs}
     rows, curves, per, steps_per_epoch = [], {}, {}, float(STEPS_PER_EPOCH)
-    for name, (init, seed) in done.items():
-        d = f"{REPO}/{OUT}/convergence/{name}"
-        j, t = json.load(open(f"{d}/05_sft.json")), json.load(open(f"{d}/eval_test.json"))
-        steps_per_epoch = (j["examples"] + j["aux_examples"]) / (j["batch_size"] * j["grad_accum"])
+    for name, (j, topk) in recs.items():
+        steps_per_epoch = j["steps_per_epoch"]
         curves[name] = [(s / steps_per_epoch, n) for s, _, n in j["rank_curve"]]
         best = max(n for _, _, n in j["rank_curve"])
-        per[name] = ev.per_user_metrics(np.load(f"{d}/eval_test_topk.npy", allow_pickle=False), test)
+        per[name] = ev.per_user_metrics(topk, test)
         rows.append(f"| {name} | {j['best_step']} ({j['best_step'] / steps_per_epoch:.2f}) | "
-                    f"{best:.4f} | {t['model']['recall@10']:.4f} | {t['model']['ndcg@10']:.4f} | "
+                    f"{best:.4f} | {per[name]['recall@10'].mean():.4f} | {per[name]['ndcg@10'].mean():.4f} | "
                     f"{j['stopped_at']} | {(j['seconds'] + j['rank_seconds']) / 60:.0f} |")
     s = sas["exclude_history"]["model"]
     text = ["# Train to the peak (ml-100k)", "",
@@ -99,6 +157,10 @@ def report(a, runs):
             d = {k: ev.paired_bootstrap(per[c][k], per[r][k]) for k in ("recall@10", "ndcg@10")}
             text.append(f"seed {sd}, centroid - random at the peak (test, paired bootstrap 95%): "
                         + ", ".join(f"{k} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" for k, v in d.items()))
+    lines, v = efficiency(recs)
+    if lines:
+        text += ["", "Efficiency claim (centroid reaches its peak in fewer SFT steps than random): " + v,
+                 *[f"- {x}" for x in lines]]
     ev.atomic_write(f"{REPO}/results/ml-100k_convergence.md", lambda t: open(t, "w").write("\n".join(text) + "\n"))
     print("\n".join(text))
     if curves:
