@@ -21,6 +21,7 @@ Writes results/ml-100k_convergence.md and results/ml-100k_convergence.png (valid
 epochs, SASRec and most-popular as lines).
 """
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -60,7 +61,8 @@ def write_record(name, init, seed, run_dir):
     """Keep what the report needs from a finished run (a few kB + one (users, 20) int32 array)."""
     j, t = json.load(open(f"{run_dir}/05_sft.json")), json.load(open(f"{run_dir}/eval_test.json"))
     topk = np.load(f"{run_dir}/eval_test_topk.npy", allow_pickle=False).astype(np.int32)
-    rec = {"run": name, "init": init, "seed": seed, "test": t["model"],
+    sids = hashlib.sha256(open(f"{REPO}/{OUT}/sids.npy", "rb").read()).hexdigest()[:12]
+    rec = {"run": name, "init": init, "seed": seed, "sids_sha256": sids, "test": t["model"],
            "steps_per_epoch": (j["examples"] + j["aux_examples"]) / (j["batch_size"] * j["grad_accum"]),
            **{k: j[k] for k in ("best_step", "stopped_at", "rank_curve", "seconds", "rank_seconds")}}
     os.makedirs(f"{REPO}/{RECORDS}", exist_ok=True)
@@ -106,10 +108,13 @@ def efficiency(recs):
         if None in pair:
             continue
         r, c = pair
+        same = r.get("sids_sha256") == c.get("sids_sha256")
         open_ = [i for i, j in zip(("random", "centroid"), pair) if j["best_step"] >= j["stopped_at"]]
         lines.append(f"seed {sd}: best step random {r['best_step']}, centroid {c['best_step']}"
                      + (f" ({' and '.join(open_)} best at its last validation: peak not reached)" if open_
-                        else f": centroid {c['best_step'] / r['best_step'] - 1:+.0%} steps"))
+                        else f": centroid {c['best_step'] / r['best_step'] - 1:+.0%} steps")
+                     + ("" if same else " (02's SIDs differ between the two runs' machines: the pair is"
+                        " confounded with the tokenizer)"))
         if not open_:
             saved.append(1 - c["best_step"] / r["best_step"])
     m, lo, hi = t_interval(saved)
@@ -135,7 +140,8 @@ def report(a, runs):
         per[name] = ev.per_user_metrics(topk, test)
         rows.append(f"| {name} | {j['best_step']} ({j['best_step'] / steps_per_epoch:.2f}) | "
                     f"{best:.4f} | {per[name]['recall@10'].mean():.4f} | {per[name]['ndcg@10'].mean():.4f} | "
-                    f"{j['stopped_at']} | {(j['seconds'] + j['rank_seconds']) / 60:.0f} |")
+                    f"{j['stopped_at']} | {(j['seconds'] + j['rank_seconds']) / 60:.0f} | "
+                    f"{j.get('sids_sha256', '-')[:6]} |")
     s = sas["exclude_history"]["model"]
     text = ["# Train to the peak (ml-100k)", "",
             f"Written by `python scripts/convergence.py` ({time.strftime('%Y-%m-%d', time.gmtime())}, "
@@ -145,18 +151,22 @@ def report(a, runs):
             "better NDCG@10; the best checkpoint by validation NDCG@10 is scored on the test split "
             "(943 users, history excluded).", "",
             "| run | best step (epochs) | val NDCG@10 | test Recall@10 | test NDCG@10 | steps run | "
-            "minutes |", "|---|---|---|---|---|---|---|", *rows,
+            "minutes | SIDs |", "|---|---|---|---|---|---|---|---|", *rows,
             f"| SASRec (best epoch {sas['best_epoch']}) | - | {sas.get('best_val_ndcg@10', float('nan')):.4f} | "
-            f"{s['recall@10']:.4f} | {s['ndcg@10']:.4f} | - | {sas['train_seconds'] / 60:.0f} |",
+            f"{s['recall@10']:.4f} | {s['ndcg@10']:.4f} | - | {sas['train_seconds'] / 60:.0f} | - |",
             f"| most popular | - | {pop_val:.4f} | "
             f"{sas['exclude_history']['most_popular']['recall@10']:.4f} | "
-            f"{sas['exclude_history']['most_popular']['ndcg@10']:.4f} | - | - |", ""]
+            f"{sas['exclude_history']['most_popular']['ndcg@10']:.4f} | - | - | - |", "",
+            "SIDs: the first hex digits of sha256(sids.npy) the run trained on; 02 can learn other codes on "
+            "another machine, so only runs with the same SIDs are paired without a caveat.", ""]
     for sd in sorted({seed for n, (i, seed) in done.items() if i == "random"}):
         r, c = f"random-s{sd}", f"centroid-s{sd}"
         if r in per and c in per:
             d = {k: ev.paired_bootstrap(per[c][k], per[r][k]) for k in ("recall@10", "ndcg@10")}
+            same = recs[r][0].get("sids_sha256") == recs[c][0].get("sids_sha256")
             text.append(f"seed {sd}, centroid - random at the peak (test, paired bootstrap 95%): "
-                        + ", ".join(f"{k} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" for k, v in d.items()))
+                        + ", ".join(f"{k} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" for k, v in d.items())
+                        + ("" if same else " (the two runs' SIDs differ: confounded with the tokenizer)"))
     lines, v = efficiency(recs)
     if lines:
         text += ["", "Efficiency claim (centroid reaches its peak in fewer SFT steps than random): " + v,

@@ -22,9 +22,12 @@ def fake_run(d, best, stopped, users=5):
 def test_record_round_trip_and_skip(tmp_path, monkeypatch):
     monkeypatch.setattr(conv, "REPO", str(tmp_path))
     fake_run(tmp_path / "run", 44, 88)
+    (tmp_path / conv.OUT).mkdir(parents=True)
+    np.save(tmp_path / conv.OUT / "sids.npy", np.zeros((5, 4), np.int64))
     conv.write_record("random-s0", "random", 0, str(tmp_path / "run"))
     rec, topk = conv.read_record("random-s0", 5)
     assert rec["init"] == "random" and rec["best_step"] == 44 and rec["steps_per_epoch"] == 82.5
+    assert len(rec["sids_sha256"]) == 12 and int(rec["sids_sha256"], 16) >= 0
     assert rec["rank_curve"][1] == [44, 0.2, 0.1] and topk.dtype == np.int64
     assert (topk == np.arange(100).reshape(5, 20)).all()
     assert conv.read_record("centroid-s0", 5) is None
@@ -45,6 +48,9 @@ def test_efficiency_verdict():
     recs["centroid-s1"] = rec("centroid", 1, 1200, 1640)            # seed 1: centroid 9% slower
     lines, v = conv.efficiency(recs)
     assert "+9% steps" in lines[1] and v.startswith("inconclusive") and "-10% steps" in v
+    recs["centroid-s1"][0]["sids_sha256"] = "abc"                  # trained on other SIDs: flagged
+    assert "confounded with the tokenizer" in conv.efficiency(recs)[0][1]
+    assert "confounded" not in conv.efficiency(recs)[0][0]
     recs["centroid-s1"] = rec("centroid", 1, 1980, 1980)            # best at its last validation
     lines, v = conv.efficiency(recs)
     assert "peak not reached" in lines[1] and v.startswith("inconclusive") and "one seed pair, no interval" in v
