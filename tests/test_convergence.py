@@ -3,6 +3,7 @@ record is not rerun, and the efficiency verdict pairs seeds and refuses a pair w
 import json
 
 import numpy as np
+import pytest
 
 from conftest import load_script
 
@@ -31,6 +32,8 @@ def test_record_round_trip_and_skip(tmp_path, monkeypatch):
     assert rec["rank_curve"][1] == [44, 0.2, 0.1] and topk.dtype == np.int64
     assert (topk == np.arange(100).reshape(5, 20)).all()
     assert conv.read_record("centroid-s0", 5) is None
+    with pytest.raises(SystemExit, match=r"has 5 users, dataset.pt 6; delete the record and rerun"):
+        conv.read_record("random-s0", 6)                               # a record of another dataset
     conv.sh = lambda *a, **k: (_ for _ in ()).throw(AssertionError("a run with a record must not rerun"))
     conv.run_one(None, "random-s0", "random", 0)
 
