@@ -34,7 +34,7 @@ def test_record_round_trip_and_skip(tmp_path, monkeypatch):
     assert conv.read_record("centroid-s0", 5) is None
     with pytest.raises(SystemExit, match=r"has 5 users, dataset.pt 6; delete the record and rerun"):
         conv.read_record("random-s0", 6)                               # a record of another dataset
-    conv.sh = lambda *a, **k: (_ for _ in ()).throw(AssertionError("a run with a record must not rerun"))
+    monkeypatch.setattr(conv, "sh", lambda *a, **k: pytest.fail("a run with a record must not rerun"))
     conv.run_one(None, "random-s0", "random", 0)
 
 
