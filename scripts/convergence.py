@@ -11,12 +11,17 @@ Runs (each one resumable piece: a killed 05 continues with --resume at the next 
     python scripts/convergence.py --runs ceiling      # one piece (~2.5 h on 2 CPU cores at 3 epochs)
     python scripts/convergence.py --report-only       # table + figure from the finished runs
 
-Needs `make run` (out/ml-100k: dataset.pt, models/{random,centroid,centroid+gti}, sasrec/). Model
-selection reads only the validation item (05 --select ndcg runs 06 --split valid); the test split is
-scored once per run, on the chosen checkpoint. A finished run leaves a small record in
-results/convergence/ (<run>.json: 05's curves, steps and times, the test metrics; <run>_test_topk.npy:
-each user's ranked test list), committed with its numbers: the report is built from the records, so
-runs made on different machines or days add up, and out/ can be deleted once a run's record is written.
+Needs `make run` (out/ml-100k: dataset.pt, item_emb.npy, 02's outputs, sasrec/). Every run trains on one
+pinned tokenizer: 02 learns other codes on another CPU from the same item vectors, so the first run copies
+make run's 02 outputs (sids.npy, centroids.pt, rqvae.pt) into results/convergence/tokenizer/, committed, and
+every run on any machine rebuilds 03 (and 04 for the ceiling) from those files in out/ml-100k/convergence/base/.
+A seed pair made in two sessions then differs by its init and seed, not by its SIDs. Model selection reads
+only the validation item (05 --select ndcg runs 06 --split valid); the test split is scored once per run,
+on the chosen checkpoint. A finished run leaves a small record in results/convergence/ (<run>.json: 05's
+curves, steps and times, the test metrics, sha256 of its SIDs; <run>_test_topk.npy: each user's ranked
+test list), committed with its numbers: the report is built from the records, so runs made on different
+machines or days add up, and out/ can be deleted once a run's record is written. A record made on other
+SIDs than the pinned ones is reported with a caveat and rerun by the next call that names it.
 Writes results/ml-100k_convergence.md and results/ml-100k_convergence.png (validation NDCG@10 against
 epochs, SASRec and most-popular as lines).
 """
@@ -24,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -32,8 +38,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
-from study import REPO, ev, t_interval, verdict  # noqa: E402  (ev = 06's metrics)
+from study import BACKBONE, REPO, ev, t_interval, verdict  # noqa: E402  (ev = 06's metrics)
 OUT = "out/ml-100k"
+TOKENIZER = "results/convergence/tokenizer"  # 02's outputs every run trains on, committed
+TOKENIZER_FILES = ("sids.npy", "centroids.pt", "rqvae.pt", "02_rqvae.json")
+BASE = f"{OUT}/convergence/base"        # 01's files + the pinned 02 files -> 03 (and 04) rebuilt here
 RECORDS = "results/convergence"       # one finished run = <run>.json + <run>_test_topk.npy, committed
 S_PER_STEP, S_PER_RANK = 3.0, 200.0   # this 2-core VM: 05 s/step, one 06 --split valid (943 users)
 STEPS_PER_EPOCH = 660                  # ML-100K: 5,299 windows / 8 a step = 662 (05 prints the epochs)
@@ -57,12 +66,51 @@ def record_path(name, ext=".json"):
     return f"{REPO}/{RECORDS}/{name}{ext}"
 
 
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()[:12]
+
+
+def pin_tokenizer():
+    """The SIDs every run trains on: make run's 02 outputs, copied once into results/ (commit them).
+    -> their sha256 prefix."""
+    pinned = f"{REPO}/{TOKENIZER}"
+    if not os.path.exists(f"{pinned}/sids.npy"):
+        if missing := [f for f in TOKENIZER_FILES if not os.path.exists(f"{REPO}/{OUT}/{f}")]:
+            sys.exit(f"error: {OUT}/{missing[0]} not found; run `make run` first")
+        os.makedirs(pinned, exist_ok=True)
+        for f in TOKENIZER_FILES[::-1]:                          # sids.npy last: it marks a complete pin
+            ev.atomic_write(f"{pinned}/{f}", lambda t, f=f: shutil.copyfile(f"{REPO}/{OUT}/{f}", t))
+        print(f"pinned {OUT}'s 02 outputs in {TOKENIZER}/ (sids sha256 {sha(pinned + '/sids.npy')}): "
+              "commit them", flush=True)
+    return sha(f"{pinned}/sids.npy")
+
+
+def build_base(init):
+    """out/ml-100k/convergence/base: 01's files linked from make run, the pinned 02 files copied, and the
+    run's input model rebuilt on them (03 for random/centroid; + 04's 120 grounding steps for the ceiling)."""
+    base, pinned = f"{REPO}/{BASE}", f"{REPO}/{TOKENIZER}"
+    os.makedirs(base, exist_ok=True)
+    for f in ("dataset.pt", "item_emb.npy", "01_embed_items.json"):
+        if not os.path.exists(f"{base}/{f}"):
+            os.symlink(os.path.abspath(f"{REPO}/{OUT}/{f}"), f"{base}/{f}")
+    stale = not os.path.exists(f"{base}/sids.npy") or sha(f"{base}/sids.npy") != sha(f"{pinned}/sids.npy")
+    if stale:                                                   # first call, or the pin changed
+        for f in TOKENIZER_FILES:
+            ev.atomic_write(f"{base}/{f}", lambda t, f=f: shutil.copyfile(f"{pinned}/{f}", t))
+        shutil.rmtree(f"{base}/models", ignore_errors=True)
+    log = f"{base}/logs"
+    if not os.path.exists(f"{base}/models/random/sid_vocab.json"):
+        sh(["03_expand_vocab.py", "--out-dir", BASE, "--model", BACKBONE, "--init", "all"], log)
+    if init == "centroid+gti" and not os.path.exists(f"{base}/models/centroid+gti/sid_vocab.json"):
+        sh(["04_ground.py", "--out-dir", BASE, "--model", f"{BASE}/models/centroid", "--steps", "120"], log)
+
+
 def write_record(name, init, seed, run_dir):
     """Keep what the report needs from a finished run (a few kB + one (users, 20) int32 array)."""
     j, t = json.load(open(f"{run_dir}/05_sft.json")), json.load(open(f"{run_dir}/eval_test.json"))
     topk = np.load(f"{run_dir}/eval_test_topk.npy", allow_pickle=False).astype(np.int32)
-    sids = hashlib.sha256(open(f"{REPO}/{OUT}/sids.npy", "rb").read()).hexdigest()[:12]
-    rec = {"run": name, "init": init, "seed": seed, "sids_sha256": sids, "test": t["model"],
+    rec = {"run": name, "init": init, "seed": seed, "sids_sha256": sha(f"{REPO}/{TOKENIZER}/sids.npy"),
+           "test": t["model"],
            "steps_per_epoch": (j["examples"] + j["aux_examples"]) / (j["batch_size"] * j["grad_accum"]),
            **{k: j[k] for k in ("best_step", "stopped_at", "rank_curve", "seconds", "rank_seconds")}}
     os.makedirs(f"{REPO}/{RECORDS}", exist_ok=True)
@@ -83,18 +131,22 @@ def read_record(name, n_users):
 
 
 def run_one(a, name, init, seed):
+    pinned = pin_tokenizer()
     if os.path.exists(record_path(name)):
-        return                                           # finished here or on another machine
+        old = json.load(open(record_path(name))).get("sids_sha256", "not recorded")
+        if old == pinned:
+            return                                       # finished here or on another machine
+        print(f"{RECORDS}/{name}.json trained on other SIDs ({old}, pinned {pinned}): rerunning", flush=True)
+    build_base(init)
     save = f"{OUT}/convergence/{name}"
-    os.makedirs(f"{REPO}/{OUT}/convergence", exist_ok=True)
     log = f"{REPO}/{save}.logs"
     if not os.path.exists(f"{REPO}/{save}/05_sft.json"):
         resume = ["--resume"] if os.path.exists(f"{REPO}/{save}.resume.pt") else []
-        sh(["05_sft.py", "--out-dir", OUT, "--model", f"{OUT}/models/{init}", "--save", save,
+        sh(["05_sft.py", "--out-dir", BASE, "--model", f"{BASE}/models/{init}", "--save", save,
             "--steps", str(max_steps(a)), "--eval-every", str(a.eval_every), "--select", "ndcg",
             "--rank-users", str(a.rank_users), "--patience", "2", "--seed", str(seed), *resume], log)
     if not os.path.exists(f"{REPO}/{save}/eval_test.json"):
-        sh(["06_eval.py", "--out-dir", OUT, "--model", save, "--protocol", "excluded"], log)
+        sh(["06_eval.py", "--out-dir", BASE, "--model", save, "--protocol", "excluded"], log)
     write_record(name, init, seed, f"{REPO}/{save}")
 
 
@@ -157,8 +209,9 @@ def report(a, runs):
             f"| most popular | - | {pop_val:.4f} | "
             f"{sas['exclude_history']['most_popular']['recall@10']:.4f} | "
             f"{sas['exclude_history']['most_popular']['ndcg@10']:.4f} | - | - | - |", "",
-            "SIDs: the first hex digits of sha256(sids.npy) the run trained on; 02 can learn other codes on "
-            "another machine, so only runs with the same SIDs are paired without a caveat.", ""]
+            f"SIDs: the first hex digits of sha256(sids.npy) the run trained on; the runs train on the pinned "
+            f"tokenizer ({TOKENIZER}/, {pin_tokenizer()[:6]}), since 02 learns other codes on another CPU. "
+            "A run made before the pin ('-': not recorded) is paired only with a caveat.", ""]
     for sd in sorted({seed for n, (i, seed) in done.items() if i == "random"}):
         r, c = f"random-s{sd}", f"centroid-s{sd}"
         if r in per and c in per:

@@ -1,5 +1,8 @@
-"""scripts/convergence.py: a finished run's record round-trips (the report needs no out/ folder), a run with a
-record is not rerun, and the efficiency verdict pairs seeds and refuses a pair whose peak was not reached."""
+"""scripts/convergence.py: every run trains on the pinned tokenizer (not on whatever 02 learned on this machine),
+a finished run's record round-trips (the report needs no out/ folder), a run with a record on the pinned SIDs is
+not rerun and one on other SIDs is, and the efficiency verdict pairs seeds and refuses a pair whose peak was not
+reached."""
+import argparse
 import json
 
 import numpy as np
@@ -20,11 +23,48 @@ def fake_run(d, best, stopped, users=5):
     np.save(d / "eval_test_topk.npy", np.arange(users * 20).reshape(users, 20))
 
 
+def fake_make_run(root, sids):
+    """make run's 01 and 02 files (contents that only have to be copied or linked)."""
+    out = root / conv.OUT
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(out / "sids.npy", sids)
+    for f in ("centroids.pt", "rqvae.pt", "02_rqvae.json", "dataset.pt", "item_emb.npy", "01_embed_items.json"):
+        (out / f).write_text(f)
+
+
+def test_pinned_tokenizer_and_base(tmp_path, monkeypatch):
+    monkeypatch.setattr(conv, "REPO", str(tmp_path))
+    fake_make_run(tmp_path, np.zeros((5, 4), np.int64))
+    calls = []
+
+    def fake_sh(cmd, logs):                        # 03/04 "build" the folder they would write
+        calls.append(cmd[0])
+        model = {"03_expand_vocab.py": "random", "04_ground.py": "centroid+gti"}[cmd[0]]
+        (tmp_path / conv.BASE / "models" / model).mkdir(parents=True)
+        (tmp_path / conv.BASE / "models" / model / "sid_vocab.json").write_text("{}")
+    monkeypatch.setattr(conv, "sh", fake_sh)
+    pinned = conv.pin_tokenizer()
+    assert (tmp_path / conv.TOKENIZER / "sids.npy").read_bytes() == (tmp_path / conv.OUT / "sids.npy").read_bytes()
+    np.save(tmp_path / conv.OUT / "sids.npy", np.ones((5, 4), np.int64))  # this machine's 02 learned other codes
+    assert conv.pin_tokenizer() == pinned                                   # the pin does not follow it
+    conv.build_base("random")
+    base = tmp_path / conv.BASE
+    assert (base / "sids.npy").read_bytes() == (tmp_path / conv.TOKENIZER / "sids.npy").read_bytes()
+    assert (base / "dataset.pt").is_symlink() and calls == ["03_expand_vocab.py"]
+    conv.build_base("random")                                               # built: nothing reruns
+    conv.build_base("centroid+gti")                                         # the ceiling also grounds
+    assert calls == ["03_expand_vocab.py", "04_ground.py"]
+    np.save(tmp_path / conv.TOKENIZER / "sids.npy", np.full((5, 4), 2, np.int64))   # a new pin: 03 reruns
+    conv.build_base("random")
+    assert calls[-1] == "03_expand_vocab.py" and (base / "sids.npy").read_bytes() == (
+        tmp_path / conv.TOKENIZER / "sids.npy").read_bytes()
+
+
 def test_record_round_trip_and_skip(tmp_path, monkeypatch):
     monkeypatch.setattr(conv, "REPO", str(tmp_path))
     fake_run(tmp_path / "run", 44, 88)
-    (tmp_path / conv.OUT).mkdir(parents=True)
-    np.save(tmp_path / conv.OUT / "sids.npy", np.zeros((5, 4), np.int64))
+    fake_make_run(tmp_path, np.zeros((5, 4), np.int64))
+    conv.pin_tokenizer()
     conv.write_record("random-s0", "random", 0, str(tmp_path / "run"))
     rec, topk = conv.read_record("random-s0", 5)
     assert rec["init"] == "random" and rec["best_step"] == 44 and rec["steps_per_epoch"] == 82.5
@@ -36,6 +76,18 @@ def test_record_round_trip_and_skip(tmp_path, monkeypatch):
         conv.read_record("random-s0", 6)                               # a record of another dataset
     monkeypatch.setattr(conv, "sh", lambda *a, **k: pytest.fail("a run with a record must not rerun"))
     conv.run_one(None, "random-s0", "random", 0)
+    rec["sids_sha256"] = "0123456789ab"                                # a record made on other SIDs: rerun
+    (tmp_path / conv.RECORDS / "random-s0.json").write_text(json.dumps(rec))
+    monkeypatch.setattr(conv, "build_base", lambda init: None)
+    ran = []
+
+    def stop_at_05(cmd, logs):
+        ran.append(cmd[0])
+        raise InterruptedError                                         # the test needs only the first call
+    monkeypatch.setattr(conv, "sh", stop_at_05)
+    with pytest.raises(InterruptedError):
+        conv.run_one(argparse.Namespace(epochs=1.0, eval_every=10, rank_users=5), "random-s0", "random", 0)
+    assert ran == ["05_sft.py"]
 
 
 def rec(init, seed, best, stopped):
