@@ -224,6 +224,9 @@ def report(a, runs):
     if lines:
         text += ["", "Efficiency claim (centroid reaches its peak in fewer SFT steps than random): " + v,
                  *[f"- {x}" for x in lines]]
+    if todo := [n for n in runs if n not in recs]:
+        text += ["", f"Not run yet: {', '.join(todo)} (`python scripts/convergence.py --runs {todo[0]}`, "
+                 "one run per call)."]
     ev.atomic_write(f"{REPO}/results/ml-100k_convergence.md", lambda t: open(t, "w").write("\n".join(text) + "\n"))
     print("\n".join(text))
     if curves:

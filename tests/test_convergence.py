@@ -113,3 +113,39 @@ def test_efficiency_verdict():
     lines, v = conv.efficiency(capped)
     assert v == "inconclusive: no seed pair where both runs reached their peak"
     assert conv.efficiency({"ceiling": rec("centroid+gti", 0, 1988, 1988)}) == ([], v)
+
+
+def test_report_from_records_alone(tmp_path, monkeypatch):
+    """The table and figure come from the records (no run folders): test metrics recomputed from the ranked
+    lists, a pair on different SIDs flagged, the runs not made yet named with their command."""
+    import torch
+    monkeypatch.setattr(conv, "REPO", str(tmp_path))
+    fake_make_run(tmp_path, np.zeros((5, 4), np.int64))
+    torch.save({"valid": torch.tensor([1, 2, 3, 4, 0]), "test": torch.arange(5),
+                "popularity": torch.tensor([5, 4, 3, 2, 1]), "train": [[9], [9], [9], [9], [9]]},
+               tmp_path / conv.OUT / "dataset.pt")
+    (tmp_path / conv.OUT / "sasrec").mkdir()
+    m = {"recall@10": 0.5, "ndcg@10": 0.25}
+    (tmp_path / conv.OUT / "sasrec" / "eval_test.json").write_text(json.dumps(
+        {"best_epoch": 3, "best_val_ndcg@10": 0.3, "train_seconds": 60,
+         "exclude_history": {"model": m, "most_popular": m}}))
+    pinned = conv.pin_tokenizer()
+    for name, best, first in (("random-s0", 40, 0), ("centroid-s0", 30, 1)):
+        fake_run(tmp_path / name, best, 60)
+        conv.write_record(name, name.split("-")[0], 0, str(tmp_path / name))
+        topk = np.tile(np.arange(20) + 100, (5, 1))
+        topk[:first + 2, 0] = np.arange(first + 2)          # random hits 2 test items at rank 1, centroid 3
+        np.save(tmp_path / conv.RECORDS / f"{name}_test_topk.npy", topk.astype(np.int32))
+    rec = json.loads((tmp_path / conv.RECORDS / "random-s0.json").read_text())
+    (tmp_path / conv.RECORDS / "random-s0.json").write_text(json.dumps({**rec, "sids_sha256": "-"}))
+    a = argparse.Namespace(inits="ceiling,random,centroid", seeds="0,1", epochs=3.0, eval_every=220,
+                           rank_users=943)
+    conv.report(a, conv.runs_of(a))
+    md = (tmp_path / "results" / "ml-100k_convergence.md").read_text()
+    assert "| random-s0 | 40 (0.48) | 0.1000 | 0.4000 | 0.4000 |" in md and f"| {pinned[:6]} |" in md
+    assert "| centroid-s0 | 30 (0.36) | 0.1000 | 0.6000 | 0.6000 |" in md
+    paired = next(x for x in md.splitlines() if x.startswith("seed 0, centroid - random at the peak"))
+    assert "recall@10 +0.2000" in paired and paired.endswith("SIDs differ: confounded with the tokenizer)")
+    assert "random 40, centroid 30" in md and "confounded with the tokenizer)" in md.split("Efficiency")[1]
+    assert "Not run yet: ceiling, random-s1, centroid-s1 (`python scripts/convergence.py --runs ceiling`" in md
+    assert (tmp_path / "results" / "ml-100k_convergence.png").stat().st_size > 1000
