@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
-from study import BACKBONE, REPO, ev, t_interval, verdict  # noqa: E402  (ev = 06's metrics)
+from study import BACKBONE, REPO, ev, link_artifacts, t_interval, verdict  # noqa: E402  (ev = 06's metrics)
 OUT = "out/ml-100k"
 TOKENIZER = "results/convergence/tokenizer"  # 02's outputs every run trains on, committed
 TOKENIZER_FILES = ("sids.npy", "centroids.pt", "rqvae.pt", "02_rqvae.json")
@@ -85,15 +85,13 @@ def pin_tokenizer():
     return sha(f"{pinned}/sids.npy")
 
 
-def build_base(init):
-    """out/ml-100k/convergence/base: 01's files linked from make run, the pinned 02 files copied, and the
-    run's input model rebuilt on them (03 for random/centroid; + 04's 120 grounding steps for the ceiling)."""
+def build_base(init, pinned_sha):
+    """out/ml-100k/convergence/base: 01's files linked from make run, the pinned 02 files (sha256 prefix
+    pinned_sha) copied, and the run's input model rebuilt on them (03 for random/centroid; + 04's 120
+    grounding steps for the ceiling)."""
     base, pinned = f"{REPO}/{BASE}", f"{REPO}/{TOKENIZER}"
-    os.makedirs(base, exist_ok=True)
-    for f in ("dataset.pt", "item_emb.npy", "01_embed_items.json"):
-        if not os.path.exists(f"{base}/{f}"):
-            os.symlink(os.path.abspath(f"{REPO}/{OUT}/{f}"), f"{base}/{f}")
-    stale = not os.path.exists(f"{base}/sids.npy") or sha(f"{base}/sids.npy") != sha(f"{pinned}/sids.npy")
+    link_artifacts(f"{REPO}/{OUT}", base, ("dataset.pt", "item_emb.npy", "01_embed_items.json"))
+    stale = not os.path.exists(f"{base}/sids.npy") or sha(f"{base}/sids.npy") != pinned_sha
     if stale:                                                   # first call, or the pin changed
         for f in TOKENIZER_FILES:
             ev.atomic_write(f"{base}/{f}", lambda t, f=f: shutil.copyfile(f"{pinned}/{f}", t))
@@ -137,7 +135,7 @@ def run_one(a, name, init, seed):
         if old == pinned:
             return                                       # finished here or on another machine
         print(f"{RECORDS}/{name}.json trained on other SIDs ({old}, pinned {pinned}): rerunning", flush=True)
-    build_base(init)
+    build_base(init, pinned)
     save = f"{OUT}/convergence/{name}"
     log = f"{REPO}/{save}.logs"
     if not os.path.exists(f"{REPO}/{save}/05_sft.json"):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from study import BACKBONE, REPO, ev, run_script  # noqa: E402  (study.py's runner; ev = 06's metrics)
+from study import BACKBONE, REPO, ev, link_artifacts, run_script  # noqa: E402  (study.py's runner; ev = 06's metrics)
 OUT = "out/ml-100k"
 GROUNDED = f"{OUT}/models/centroid+gti"      # make run's 04 output: the default chain's input to 05
 # name: (what changes, 05 flags, quantizer flags for a separate 02-04 or None)
@@ -55,9 +55,7 @@ def run_lever(name):
     log, model, out_dir, grounded = f"{REPO}/{work}/logs", model_of(name), OUT, GROUNDED
     if quant is not None:                          # own SIDs: 02-04 in <work>, 01's files linked
         out_dir, grounded = work, f"{work}/models/centroid+gti"
-        for f in ("dataset.pt", "item_emb.npy", "01_embed_items.json"):
-            if not os.path.exists(f"{REPO}/{work}/{f}"):
-                os.symlink(os.path.abspath(f"{REPO}/{OUT}/{f}"), f"{REPO}/{work}/{f}")
+        link_artifacts(f"{REPO}/{OUT}", f"{REPO}/{work}", ("dataset.pt", "item_emb.npy", "01_embed_items.json"))
         if not os.path.exists(f"{REPO}/{grounded}/04_ground.json"):
             sh(["02_rqvae.py", "--out-dir", work, *quant], log)
             sh(["03_expand_vocab.py", "--out-dir", work, "--model", BACKBONE, "--init", "centroid"], log)

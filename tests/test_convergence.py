@@ -47,15 +47,15 @@ def test_pinned_tokenizer_and_base(tmp_path, monkeypatch):
     assert (tmp_path / conv.TOKENIZER / "sids.npy").read_bytes() == (tmp_path / conv.OUT / "sids.npy").read_bytes()
     np.save(tmp_path / conv.OUT / "sids.npy", np.ones((5, 4), np.int64))  # this machine's 02 learned other codes
     assert conv.pin_tokenizer() == pinned                                   # the pin does not follow it
-    conv.build_base("random")
+    conv.build_base("random", pinned)
     base = tmp_path / conv.BASE
     assert (base / "sids.npy").read_bytes() == (tmp_path / conv.TOKENIZER / "sids.npy").read_bytes()
     assert (base / "dataset.pt").is_symlink() and calls == ["03_expand_vocab.py"]
-    conv.build_base("random")                                               # built: nothing reruns
-    conv.build_base("centroid+gti")                                         # the ceiling also grounds
+    conv.build_base("random", pinned)                                       # built: nothing reruns
+    conv.build_base("centroid+gti", pinned)                                 # the ceiling also grounds
     assert calls == ["03_expand_vocab.py", "04_ground.py"]
     np.save(tmp_path / conv.TOKENIZER / "sids.npy", np.full((5, 4), 2, np.int64))   # a new pin: 03 reruns
-    conv.build_base("random")
+    conv.build_base("random", conv.pin_tokenizer())
     assert calls[-1] == "03_expand_vocab.py" and (base / "sids.npy").read_bytes() == (
         tmp_path / conv.TOKENIZER / "sids.npy").read_bytes()
 
@@ -78,7 +78,7 @@ def test_record_round_trip_and_skip(tmp_path, monkeypatch):
     conv.run_one(None, "random-s0", "random", 0)
     rec["sids_sha256"] = "0123456789ab"                                # a record made on other SIDs: rerun
     (tmp_path / conv.RECORDS / "random-s0.json").write_text(json.dumps(rec))
-    monkeypatch.setattr(conv, "build_base", lambda init: None)
+    monkeypatch.setattr(conv, "build_base", lambda init, pinned: None)
     ran = []
 
     def stop_at_05(cmd, logs):
