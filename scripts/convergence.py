@@ -209,7 +209,17 @@ def report(a, runs):
             f"{sas['exclude_history']['most_popular']['ndcg@10']:.4f} | - | - | - |", "",
             f"SIDs: the first hex digits of sha256(sids.npy) the run trained on; the runs train on the pinned "
             f"tokenizer ({TOKENIZER}/, {pin_tokenizer()[:6]}), since 02 learns other codes on another CPU. "
-            "A run made before the pin ('-': not recorded) is paired only with a caveat.", ""]
+            "A run made before the pin ('-': not recorded) is paired only with a caveat. Minutes: wall clock "
+            "of 05 and its validation rankings on the machine and load that made the run, not a speed "
+            "comparison.", ""]
+    sas_topk = f"{REPO}/{OUT}/sasrec/eval_test_topk_exclude.npy"
+    if os.path.exists(sas_topk):                      # how far each peak is from SASRec, user by user
+        sas_per = ev.per_user_metrics(np.load(sas_topk, allow_pickle=False), test)
+        for name in per:
+            d = {k: ev.paired_bootstrap(per[name][k], sas_per[k]) for k in ("recall@10", "ndcg@10")}
+            text.append(f"{name} - SASRec (test, paired bootstrap 95%): "
+                        + ", ".join(f"{k} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" for k, v in d.items()))
+        text.append("")
     for sd in sorted({seed for n, (i, seed) in done.items() if i == "random"}):
         r, c = f"random-s{sd}", f"centroid-s{sd}"
         if r in per and c in per:

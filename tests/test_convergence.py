@@ -117,7 +117,7 @@ def test_efficiency_verdict():
 
 def test_report_from_records_alone(tmp_path, monkeypatch):
     """The table and figure come from the records (no run folders): test metrics recomputed from the ranked
-    lists, a pair on different SIDs flagged, the runs not made yet named with their command."""
+    lists, each run paired with SASRec's lists, a pair on different SIDs flagged, the runs not made yet named with their command."""
     import torch
     monkeypatch.setattr(conv, "REPO", str(tmp_path))
     fake_make_run(tmp_path, np.zeros((5, 4), np.int64))
@@ -129,6 +129,9 @@ def test_report_from_records_alone(tmp_path, monkeypatch):
     (tmp_path / conv.OUT / "sasrec" / "eval_test.json").write_text(json.dumps(
         {"best_epoch": 3, "best_val_ndcg@10": 0.3, "train_seconds": 60,
          "exclude_history": {"model": m, "most_popular": m}}))
+    sas_topk = np.tile(np.arange(20) + 100, (5, 1))
+    sas_topk[0, 0] = 0                                       # SASRec hits 1 test item at rank 1
+    np.save(tmp_path / conv.OUT / "sasrec" / "eval_test_topk_exclude.npy", sas_topk)
     pinned = conv.pin_tokenizer()
     for name, best, first in (("random-s0", 40, 0), ("centroid-s0", 30, 1)):
         fake_run(tmp_path / name, best, 60)
@@ -146,6 +149,8 @@ def test_report_from_records_alone(tmp_path, monkeypatch):
     assert "| centroid-s0 | 30 (0.36) | 0.1000 | 0.6000 | 0.6000 |" in md
     paired = next(x for x in md.splitlines() if x.startswith("seed 0, centroid - random at the peak"))
     assert "recall@10 +0.2000" in paired and paired.endswith("SIDs differ: confounded with the tokenizer)")
+    assert "random-s0 - SASRec (test, paired bootstrap 95%): recall@10 +0.2000" in md
+    assert "centroid-s0 - SASRec (test, paired bootstrap 95%): recall@10 +0.4000" in md
     assert "random 40, centroid 30" in md and "confounded with the tokenizer)" in md.split("Efficiency")[1]
     assert "Not run yet: ceiling, random-s1, centroid-s1 (`python scripts/convergence.py --runs ceiling`" in md
     assert (tmp_path / "results" / "ml-100k_convergence.png").stat().st_size > 1000
