@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
-from study import BACKBONE, REPO, ev, link_artifacts, t_interval, verdict  # noqa: E402  (ev = 06's metrics)
+from study import BACKBONE, REPO, ev, fmt_iv, link_artifacts, t_interval, verdict  # noqa: E402  (ev = 06's metrics)
 OUT = "out/ml-100k"
 TOKENIZER = "results/convergence/tokenizer"  # 02's outputs every run trains on, committed
 TOKENIZER_FILES = ("sids.npy", "centroids.pt", "rqvae.pt", "02_rqvae.json")
@@ -174,6 +174,11 @@ def efficiency(recs):
     return lines, f"{verdict(lo, hi)}: centroid {-m:+.0%} steps to its peak vs random ({iv}; paper: -27%)"
 
 
+def paired(a, b):
+    """Recall@10 and NDCG@10 of a - b, user by user: 06's paired bootstrap, study.py's format."""
+    return ", ".join(f"{k} {fmt_iv(ev.paired_bootstrap(a[k], b[k]))}" for k in ("recall@10", "ndcg@10"))
+
+
 def report(a, runs):
     data = torch.load(f"{REPO}/{OUT}/dataset.pt", map_location="cpu", weights_only=True)
     valid, test = data["valid"].numpy(), data["test"].numpy()
@@ -215,18 +220,14 @@ def report(a, runs):
     sas_topk = f"{REPO}/{OUT}/sasrec/eval_test_topk_exclude.npy"
     if os.path.exists(sas_topk):                      # how far each peak is from SASRec, user by user
         sas_per = ev.per_user_metrics(np.load(sas_topk, allow_pickle=False), test)
-        for name in per:
-            d = {k: ev.paired_bootstrap(per[name][k], sas_per[k]) for k in ("recall@10", "ndcg@10")}
-            text.append(f"{name} - SASRec (test, paired bootstrap 95%): "
-                        + ", ".join(f"{k} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" for k, v in d.items()))
+        text += [f"{name} - SASRec (test, paired bootstrap 95%): {paired(per[name], sas_per)}" for name in per]
         text.append("")
     for sd in sorted({seed for n, (i, seed) in done.items() if i == "random"}):
         r, c = f"random-s{sd}", f"centroid-s{sd}"
         if r in per and c in per:
-            d = {k: ev.paired_bootstrap(per[c][k], per[r][k]) for k in ("recall@10", "ndcg@10")}
             same = recs[r][0].get("sids_sha256") == recs[c][0].get("sids_sha256")
             text.append(f"seed {sd}, centroid - random at the peak (test, paired bootstrap 95%): "
-                        + ", ".join(f"{k} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" for k, v in d.items())
+                        + paired(per[c], per[r])
                         + ("" if same else " (the two runs' SIDs differ: confounded with the tokenizer)"))
     lines, v = efficiency(recs)
     if lines:
