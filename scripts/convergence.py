@@ -8,7 +8,7 @@ Runs (each one resumable piece: a killed 05 continues with --resume at the next 
     centroid-sN  centroid init, seeds --seeds   (no grounding: the centroid paper's comparison)
 
     python scripts/convergence.py --dry-run           # the plan and its CPU-time estimate
-    python scripts/convergence.py --runs ceiling      # one piece (~2.5 h on 2 CPU cores at 3 epochs)
+    python scripts/convergence.py --runs ceiling      # one piece (1-2.5 h on 2 CPU cores at 3 epochs)
     python scripts/convergence.py --report-only       # table + figure from the finished runs
 
 Needs `make run` (out/ml-100k: dataset.pt, item_emb.npy, 02's outputs, sasrec/). Every run trains on one
@@ -22,8 +22,10 @@ curves, steps and times, the test metrics, sha256 of its SIDs; <run>_test_topk.n
 test list), committed with its numbers: the report is built from the records, so runs made on different
 machines or days add up, and out/ can be deleted once a run's record is written. A record made on other
 SIDs than the pinned ones is reported with a caveat and rerun by the next call that names it.
-Writes results/ml-100k_convergence.md and results/ml-100k_convergence.png (validation NDCG@10 against
-epochs, SASRec and most-popular as lines).
+Two runs can share 2 cores, each at OMP_NUM_THREADS=1 (about 1.2x the throughput of one on both).
+Writes results/ml-100k_convergence.md (the table; each run - SASRec and centroid - random at the peak, paired
+bootstrap over users) and results/ml-100k_convergence.png (validation NDCG@10 against epochs, SASRec and
+most-popular as lines).
 """
 import argparse
 import hashlib
