@@ -115,6 +115,34 @@ def test_efficiency_verdict():
     assert conv.efficiency({"ceiling": rec("centroid+gti", 0, 1988, 1988)}) == ([], v)
 
 
+def curve(init, seed, ndcg, every=220):
+    """A record whose validation NDCG@10 is `ndcg` at steps 0, every, 2 every, ..."""
+    best = every * int(np.argmax(ndcg))
+    return {"init": init, "seed": seed, "best_step": best, "stopped_at": every * (len(ndcg) - 1),
+            "rank_curve": [[every * i, 0.0, n] for i, n in enumerate(ndcg)]}, None
+
+
+def test_reach_reads_the_first_validation_at_random_peak():
+    """Steps until centroid first reaches random's best, defined also when centroid is still rising at the cap."""
+    recs = {"random-s0": curve("random", 0, [0.0, 0.05, 0.09, 0.10, 0.09, 0.08]),       # peak 0.10 at 660
+            "centroid-s0": curve("centroid", 0, [0.0, 0.06, 0.10, 0.09, 0.11, 0.12])}   # reaches it at 440
+    lines, v = conv.reach(recs)
+    assert lines == ["seed 0: random's best 0.1000 at step 660; centroid reaches it at step 440: -33% steps"]
+    assert v == "inconclusive: centroid -33% steps to random's peak (one seed pair, no interval; paper: -27%)"
+    recs["random-s1"] = curve("random", 1, [0.0, 0.05, 0.09, 0.10, 0.09])             # peak at 660 again
+    recs["centroid-s1"] = curve("centroid", 1, [0.0, 0.04, 0.07, 0.095, 0.099])        # never reaches it
+    lines, v = conv.reach(recs)
+    assert lines[1] == "seed 1: random's best 0.1000 at step 660; centroid reaches it at no validation up to step 880"
+    assert "one seed pair" in v
+    recs["centroid-s1"] = curve("centroid", 1, [0.0, 0.10, 0.10, 0.09, 0.09])          # 220: -67%
+    lines, v = conv.reach(recs)                                     # two pairs: -33% and -67%, t_{0.975,1} = 12.7
+    assert lines[1].endswith("at step 220: -67% steps")
+    assert v == "inconclusive: centroid -50% steps to random's peak (95% t interval over seed pairs [-262%, +162%]; paper: -27%)"
+    recs["centroid-s1"] = curve("centroid", 1, [0.0, 0.07, 0.095, 0.12, 0.09])         # 660: +0%
+    assert "[-228%, +195%]" in conv.reach(recs)[1]
+    assert conv.reach({"random-s0": recs["random-s0"]}) == ([], "inconclusive: centroid reaches random's peak in no seed pair")
+
+
 def test_report_from_records_alone(tmp_path, monkeypatch):
     """The table and figure come from the records (no run folders): test metrics recomputed from the ranked
     lists, each run paired with SASRec's lists, a pair on different SIDs flagged, the runs not made yet named with their command."""
