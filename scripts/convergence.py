@@ -24,7 +24,7 @@ machines or days add up, and out/ can be deleted once a run's record is written.
 SIDs than the pinned ones is reported with a caveat and rerun by the next call that names it.
 Two runs can share 2 cores, each at OMP_NUM_THREADS=1 (about 1.2x the throughput of one on both).
 Writes results/ml-100k_convergence.md (the table; each run - SASRec and centroid - random at the peak, paired
-bootstrap over users) and results/ml-100k_convergence.png (validation NDCG@10 against epochs, SASRec and
+bootstrap over users; the efficiency claim read two ways, paired by seed) and results/ml-100k_convergence.png (validation NDCG@10 against epochs, SASRec and
 most-popular as lines).
 """
 import argparse
