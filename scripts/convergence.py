@@ -24,8 +24,8 @@ machines or days add up, and out/ can be deleted once a run's record is written.
 SIDs than the pinned ones is reported with a caveat and rerun by the next call that names it.
 Two runs can share 2 cores, each at OMP_NUM_THREADS=1 (about 1.2x the throughput of one on both).
 Writes results/ml-100k_convergence.md (the table; each run - SASRec and centroid - random at the peak, paired
-bootstrap over users; the efficiency claim read two ways, paired by seed) and results/ml-100k_convergence.png (validation NDCG@10 against epochs, SASRec and
-most-popular as lines).
+bootstrap over users; the efficiency claim read two ways, paired by seed) and results/ml-100k_convergence.png
+(validation NDCG@10 against epochs, SASRec and most-popular as lines).
 """
 import argparse
 import hashlib
@@ -150,18 +150,29 @@ def run_one(a, name, init, seed):
     write_record(name, init, seed, f"{REPO}/{save}")
 
 
+def seed_pairs(recs):
+    """(seed, random's record, centroid's record) for every seed where both runs have finished."""
+    for sd in sorted({j["seed"] for j, _ in recs.values() if j["init"] == "random"}):
+        r, c = [recs.get(f"{i}-s{sd}", (None,))[0] for i in ("random", "centroid")]
+        if r is not None and c is not None:
+            yield sd, r, c
+
+
+def steps_verdict(saved, to):
+    """The claim's verdict from the step savings (1 - centroid's steps / random's) of the seed pairs."""
+    m, lo, hi = t_interval(saved)
+    iv = "one seed pair, no interval" if lo is None else f"95% t interval over seed pairs [{-hi:+.0%}, {-lo:+.0%}]"
+    return f"{verdict(lo, hi)}: centroid {-m:+.0%} steps to {to} ({iv}; paper: -27%)"
+
+
 def efficiency(recs):
     """The centroid paper's efficiency claim (peak performance with 27% fewer SFT steps), paired by seed:
     1 - centroid's best step / random's. A run whose best checkpoint is its last validation has not shown
     its peak (it may still rise), so its pair cannot test the claim. -> (text lines, verdict)."""
     lines, saved = [], []
-    for sd in sorted({j["seed"] for j, _ in recs.values() if j["init"] == "random"}):
-        pair = [recs.get(f"{i}-s{sd}", (None,))[0] for i in ("random", "centroid")]
-        if None in pair:
-            continue
-        r, c = pair
+    for sd, r, c in seed_pairs(recs):
         same = r.get("sids_sha256") == c.get("sids_sha256")
-        open_ = [i for i, j in zip(("random", "centroid"), pair) if j["best_step"] >= j["stopped_at"]]
+        open_ = [i for i, j in (("random", r), ("centroid", c)) if j["best_step"] >= j["stopped_at"]]
         lines.append(f"seed {sd}: best step random {r['best_step']}, centroid {c['best_step']}"
                      + (f" ({' and '.join(open_)} best at its last validation: peak not reached)" if open_
                         else f": centroid {c['best_step'] / r['best_step'] - 1:+.0%} steps")
@@ -169,11 +180,9 @@ def efficiency(recs):
                         " confounded with the tokenizer)"))
         if not open_:
             saved.append(1 - c["best_step"] / r["best_step"])
-    m, lo, hi = t_interval(saved)
-    if m is None:
+    if not saved:
         return lines, "inconclusive: no seed pair where both runs reached their peak"
-    iv = "one seed pair, no interval" if lo is None else f"95% t interval over seed pairs [{-hi:+.0%}, {-lo:+.0%}]"
-    return lines, f"{verdict(lo, hi)}: centroid {-m:+.0%} steps to its peak vs random ({iv}; paper: -27%)"
+    return lines, steps_verdict(saved, "its peak vs random")
 
 
 def reach(recs):
@@ -182,9 +191,8 @@ def reach(recs):
     One validation's NDCG@10 has a standard error of about 0.008 over 943 users (the runs' test lists), and the
     step is known to --eval-every. -> (text lines, verdict)."""
     lines, saved = [], []
-    for sd in sorted({j["seed"] for j, _ in recs.values() if j["init"] == "random"}):
-        r, c = [recs.get(f"{i}-s{sd}", (None,))[0] for i in ("random", "centroid")]
-        if r is None or c is None or not r.get("rank_curve") or not c.get("rank_curve"):
+    for sd, r, c in seed_pairs(recs):
+        if not r.get("rank_curve") or not c.get("rank_curve"):
             continue
         peak = max(n for _, _, n in r["rank_curve"])
         hit = next((s for s, _, n in c["rank_curve"] if n >= peak), None)
@@ -194,11 +202,9 @@ def reach(recs):
             continue
         saved.append(1 - hit / r["best_step"])
         lines.append(at + f"at step {hit}: {hit / r['best_step'] - 1:+.0%} steps")
-    m, lo, hi = t_interval(saved)
-    if m is None:
+    if not saved:
         return lines, "inconclusive: centroid reaches random's peak in no seed pair"
-    iv = "one seed pair, no interval" if lo is None else f"95% t interval over seed pairs [{-hi:+.0%}, {-lo:+.0%}]"
-    return lines, f"{verdict(lo, hi)}: centroid {-m:+.0%} steps to random's peak ({iv}; paper: -27%)"
+    return lines, steps_verdict(saved, "random's peak")
 
 
 def paired(a, b):
