@@ -17,6 +17,7 @@ ML100K = os.path.join(REPO, "data", "ml-100k")
 BEAUTY = os.path.join(REPO, "data", "amazon-beauty")          # make setup links a copy found beside the repo
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, REPO)                                      # the steps, scripts/ and bench/ import common.py
 
 
 def load_script(path):
