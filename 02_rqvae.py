@@ -1,7 +1,7 @@
 """Step 2: Semantic IDs - residual quantization of the item embeddings, unique SIDs, code centroids.
 
-Paper step: TIGER's Semantic-ID tokenizer (Rajput et al. 2023, sec. 3.1, Fig. 3), used by both
-papers; the per-code centroids are the centroid paper's mu_{l,k} (Loveland et al. 2026, Alg. 1).
+Paper step: TIGER's Semantic-ID tokenizer (Rajput et al. 2023, sec. 3.1, Fig. 3), both papers;
+centroid_{l,k} below is what centroid init (Loveland et al. 2026, Alg. 1) builds 03's new rows from.
 
     z = enc(x)                          MLP encoder: item text embedding x (d) -> latent (D)
     r_0 = z;  c_l = argmin_k ||r_l - e^l_k||;  r_{l+1} = r_l - e^l_{c_l}     l = 0..L-1   (eq. 1)
@@ -9,7 +9,7 @@ papers; the per-code centroids are the centroid paper's mu_{l,k} (Loveland et al
     loss = ||x - x_hat||^2 + sum_l ( ||sg[r_l] - e^l_{c_l}||^2 + beta ||r_l - sg[e^l_{c_l}]||^2 )
     codebooks: k-means on the first batch; codes unused for --reseed-every steps <- residuals
     suffix:    SID = (c_0, ..., c_{L-1}, s), s = 0, 1, ... numbers the items sharing c_0..c_{L-1}
-    centroids: mu_{l,k} = mean of x_i over the items with code k at level l, l = 0..L
+    centroids: centroid_{l,k} = mean of x_i over the items with code k at level l, l = 0..L
 --quantizer rqkmeans (the centroid paper's SIDs): eq. 1 on x itself with k-means codebooks.
 --collisions reassign (LC-Rec's idea, greedy): L codes; the colliding items except the nearest move
     to free last-level codes of their prefix.
@@ -21,65 +21,50 @@ GPU:  python 02_rqvae.py --out-dir out/amazon-beauty --device cuda --batch-size 
 Good run (ml-100k) ends "step 1500 | loss 0.64 (quant 0.32) | ... | usage 1.00/1.00/1.00", then
 "collision rate 0.0202 (...; largest group 2) -> 0 duplicate SIDs after the suffix".
 """
-import argparse
-import ast
-import dataclasses
-import inspect
-import json
+
 import os
-import random
-import sys
 import time
-import typing
-from dataclasses import dataclass
-from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from common import (Parser, atomic_write, die, load_npy, load_pt, nonneg_int, pick_device,
+                    pos_float, pos_int, seed_everything, write_json)
+
 SMALL_CATALOG, SMALL_K, LARGE_K = 4096, 64, 256      # --codebook-size 0: K = 64 for N <= 4096
 CPU_THREADS = 1                                      # this small MLP runs fastest on one thread
 
 
-@dataclass
-class Args:
-    dataset: str = "ml-100k"
-    """only picks the default --out-dir (out/<dataset>)"""
-    out_dir: str = ""
-    """artifacts folder with 01's item_emb.npy (default: out/<dataset>)"""
-    quantizer: Literal["rqvae", "rqkmeans"] = "rqvae"
-    """rqvae (TIGER: trained MLP encoder + residual quantization) | rqkmeans (residual k-means)"""
-    collisions: Literal["suffix", "reassign"] = "suffix"
-    """suffix (TIGER's extra level numbering items with the same L codes) | reassign (L codes)"""
-    levels: Annotated[int, ">= 1"] = 3
-    """L, number of residual quantization levels (the collision suffix adds one more)"""
-    codebook_size: Annotated[int, ">= 0"] = 0
-    """K codes per level (0 = auto: 64 for N <= 4096 items, else 256)"""
-    latent_dim: Annotated[int, ">= 1"] = 32
-    """D, width of the RQ-VAE latent"""
-    hidden: str = "256,128"
-    """encoder MLP widths (the decoder mirrors them)"""
-    steps: Annotated[int, ">= 1"] = 1500
-    """optimizer steps"""
-    batch_size: Annotated[int, ">= 1"] = 512
-    """items per step (the first batch also seeds the k-means codebooks)"""
-    lr: Annotated[float, "> 0"] = 3e-3
-    """AdamW learning rate"""
-    weight_decay: float = 1e-4
-    """AdamW weight decay (MLP weights only, not the codebooks)"""
-    beta: float = 0.25
-    """commitment weight"""
-    kmeans_iters: Annotated[int, ">= 0"] = 25
-    """Lloyd iterations of each level's k-means (the codebook init of rqvae; rqkmeans)"""
-    reseed_every: Annotated[int, ">= 0"] = 100
-    """re-seed codes unused for this many steps (0 = never)"""
-    log_every: Annotated[int, ">= 1"] = 250
-    """steps between log lines"""
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    """auto = cuda, else mps, else cpu"""
-    seed: int = 0
-    """seeds random, numpy and torch"""
+def parse_args(argv=None):
+    p = Parser(__doc__)
+    p.add_argument("--dataset", default="ml-100k", help="only picks the default --out-dir")
+    p.add_argument("--out-dir", default="", help="01's output folder; empty: out/<dataset>")
+    p.add_argument("--quantizer", default="rqvae", choices=["rqvae", "rqkmeans"],
+                   help="rqvae (TIGER: MLP encoder + RQ) | rqkmeans (residual k-means on x)")
+    p.add_argument("--collisions", default="suffix", choices=["suffix", "reassign"],
+                   help="suffix (TIGER: a level numbering equal codes) | reassign (L codes)")
+    p.add_argument("--levels", type=pos_int, default=3, help="L, levels (the suffix adds one)")
+    p.add_argument("--codebook-size", type=nonneg_int, default=0,
+                   help="K codes per level (0 = auto: 64 for N <= 4096 items, else 256)")
+    p.add_argument("--latent-dim", type=pos_int, default=32, help="D, width of the RQ-VAE latent")
+    p.add_argument("--hidden", default="256,128", help="encoder MLP widths (decoder: reversed)")
+    p.add_argument("--steps", type=pos_int, default=1500, help="optimizer steps")
+    p.add_argument("--batch-size", type=pos_int, default=512,
+                   help="items per step (the first batch also seeds the k-means codebooks)")
+    p.add_argument("--lr", type=pos_float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=1e-4,
+                   help="AdamW weight decay (MLP weights only, not the codebooks)")
+    p.add_argument("--beta", type=float, default=0.25, help="commitment weight")
+    p.add_argument("--kmeans-iters", type=nonneg_int, default=25,
+                   help="Lloyd iterations of each level's k-means (rqvae's init; rqkmeans)")
+    p.add_argument("--reseed-every", type=nonneg_int, default=100,
+                   help="re-seed codes unused for this many steps (0 = never)")
+    p.add_argument("--log-every", type=pos_int, default=250, help="steps between log lines")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="auto = cuda, else mps, else cpu")
+    p.add_argument("--seed", type=int, default=0, help="seeds random, numpy and torch")
+    return p.parse_args(argv)
 
 
 # --- The paper step: residual quantization (TIGER eq. 1), residual k-means, the RQ-VAE ----------
@@ -155,7 +140,23 @@ class RQVAE(nn.Module):
         return recon + quant, recon, x_hat, codes, residuals
 
 
-def train_rqvae(args: Args, x_all, K: int, hidden, gen):
+# --- Data: 01's output, checked before anything is written --------------------------------------
+def load_embeddings(out_dir: str) -> np.ndarray:
+    path, ds_path = os.path.join(out_dir, "item_emb.npy"), os.path.join(out_dir, "dataset.pt")
+    hint = "run 01_embed_items.py first (or pass --out-dir with its output)"
+    emb = load_npy(path, hint)
+    if (emb.ndim != 2 or emb.shape[0] < 2 or not np.issubdtype(emb.dtype, np.floating)
+            or not np.isfinite(emb).all()):
+        die(f"{path} must be a finite float array [N, d] with N >= 2 "
+            f"(got {emb.dtype} {emb.shape}); {hint}")
+    n = len(load_pt(ds_path, hint).get("item_ids", [])) if os.path.exists(ds_path) else len(emb)
+    if n != emb.shape[0]:
+        die(f"{path} has {emb.shape[0]} rows but {ds_path} has {n} items; re-run 01_embed_items.py")
+    return emb.astype(np.float32)
+
+
+# --- The loop: k-means init, AdamW, dead codes re-seeded ----------------------------------------
+def train_rqvae(args, x_all, K: int, hidden, gen):
     """k-means init on the first batch, AdamW on the loss, dead codes re-seeded; then every item
     encoded. -> codes (N, L), codebooks, [r_0..r_L], x_hat (N, d), #re-seeded codes, state_dict"""
     N, d, device = *x_all.shape, x_all.device
@@ -240,7 +241,7 @@ def reassign_collisions(codes: np.ndarray, r_last, codebook):
     return codes, np.array(sorted(moved), dtype=np.int64), dist
 
 
-def unique_sids(args: Args, codes: np.ndarray, residuals, books, K: int, recon: dict):
+def unique_sids(args, codes: np.ndarray, residuals, books, K: int, recon: dict):
     """codes (N, L) -> SIDs (N, L+1) with the suffix or (N, L) re-assigned, the codebook size per
     level, and the report (collisions, usage; reassign: items moved, their codeword distances)."""
     N, L = codes.shape
@@ -274,7 +275,7 @@ def unique_sids(args: Args, codes: np.ndarray, residuals, books, K: int, recon: 
 
 
 def code_centroids(sids: np.ndarray, emb: np.ndarray, sizes):
-    """mu_{l,k} = mean of x_i over items with sids[i, l] == k -> ([K_l, d], [K_l] counts) per l"""
+    """centroid_{l,k} = mean of x_i over the items with sids[i, l] == k -> [K_l, d], [K_l] per l"""
     x, cents, counts = torch.from_numpy(emb), [], []
     for l, k in enumerate(sizes):
         c = torch.from_numpy(sids[:, l])
@@ -316,7 +317,6 @@ def main():
     sids, sizes, stats = unique_sids(args, codes.cpu().numpy().astype(np.int64), residuals, books,
                                      K, recon)
     cents, counts = code_centroids(sids, emb, sizes)
-
     config = {"quantizer": args.quantizer, "collisions": args.collisions, "d": d,
               "levels": args.levels, "codebook_size": K, "latent_dim": args.latent_dim,
               "hidden": hidden, "beta": args.beta, "steps": args.steps,
@@ -331,119 +331,9 @@ def main():
     summary = {"quantizer": args.quantizer, "collisions": args.collisions, **stats, **recon,
                "codebook_sizes": sizes, "reseeded_codes": reseeded,
                "seconds": round(time.time() - t0, 1)}
-    atomic_write(os.path.join(out_dir, "02_rqvae.json"),
-                 lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
+    write_json(os.path.join(out_dir, "02_rqvae.json"), summary)
     print(f"wrote {out_dir}/sids.npy {sids.shape}, centroids.pt, rqvae.pt, 02_rqvae.json "
           f"in {summary['seconds']} s")
-
-
-# 01's output, checked before anything is written
-def load_embeddings(out_dir: str) -> np.ndarray:
-    path, ds_path = os.path.join(out_dir, "item_emb.npy"), os.path.join(out_dir, "dataset.pt")
-    hint = "run 01_embed_items.py first (or pass --out-dir with its output)"
-    emb = load_npy(path, hint)
-    if (emb.ndim != 2 or emb.shape[0] < 2 or not np.issubdtype(emb.dtype, np.floating)
-            or not np.isfinite(emb).all()):
-        die(f"{path} must be a finite float array [N, d] with N >= 2 "
-            f"(got {emb.dtype} {emb.shape}); {hint}")
-    n = len(load_pt(ds_path, hint).get("item_ids", [])) if os.path.exists(ds_path) else len(emb)
-    if n != emb.shape[0]:
-        die(f"{path} has {emb.shape[0]} rows but {ds_path} has {n} items; re-run 01_embed_items.py")
-    return emb.astype(np.float32)
-
-
-# --------------------------------------------------------------------------------------------------
-# Helpers: the same text in every script that has them (tests/test_plumbing.py checks it);
-# no script imports another. Below main(): Python looks names up when main() runs.
-# --------------------------------------------------------------------------------------------------
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """The CLI generated from Args: help = the docstring under each field, --flag/--no-flag for a
-    bool, choices = a Literal's values, and a bound Annotated[int, ">= 1"] checked here."""
-    body = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
-    hints = typing.get_type_hints(Args, include_extras=True)
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    bounds = {}
-    for f in dataclasses.fields(Args):
-        flag, t, kw = "--" + f.name.replace("_", "-"), hints[f.name], {"default": f.default}
-        if typing.get_origin(t) is Annotated:
-            t, bounds[f.name] = typing.get_args(t)[:2]
-        if t is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(t) is Literal:
-            kw["choices"] = typing.get_args(t)
-        else:
-            kw["type"] = t
-        p.add_argument(flag, help=f"{docs.get(f.name, '')} (default: {f.default})", **kw)
-    args = Args(**vars(p.parse_args()))
-    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
-        op, limit = bound.split()
-        v = getattr(args, name)
-        if not (v >= float(limit) if op == ">=" else v > float(limit)):
-            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
-    return args
-
-
-def pick_device(name: str) -> torch.device:
-    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line."""
-    if name == "auto":
-        mps = torch.backends.mps.is_available()
-        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name == "mps" and not torch.backends.mps.is_available():
-        die("--device mps but MPS is not available; use --device cpu")
-    return torch.device(name)
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
-    torch:  atomic_write(p, lambda t: torch.save(obj, t))
-    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (a str path would get .npy)
-    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file
-# and what to do (`hint`: which step makes it), never a traceback.
-def load_artifact(path: str, hint: str, read):
-    if not os.path.isfile(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return read(path)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
-
-
-def load_pt(path: str, hint: str):           # tensors, lists, dicts; never pickled objects
-    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
-
-
-def load_npy(path: str, hint: str) -> np.ndarray:
-    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
 
 
 if __name__ == "__main__":
