@@ -15,54 +15,43 @@ frequency, not semantics; neighbour purity), on each model's SID rows, per level
 
 Reads  <out-dir>/dataset.pt, item_emb.npy, sids.npy, centroids.pt, rqvae.pt (01-02) and model
        folders (default: every <out-dir>/models/* with sid_vocab.json, from 03-05)
-Writes <out-dir>/diagnostics.json (or --save), beside it <stem>_{spectra,cosine,popularity}.png
+Writes <out-dir>/diagnostics.json (or --save); its figures (spectra, cosine heatmaps, popularity):
+      python scripts/figures.py --diagnostics out/ml-100k/diagnostics.json
 CPU:  python 07_diagnose.py --out-dir out/ml-100k                      (seconds)
 GPU:  python 07_diagnose.py --out-dir out/ml-100k --device cuda        (for the purity search)
 Good run: a line per model, e.g. `random  erank 480.1  rsa_cent 0.02  pop|rho| 0.05  purity 0.31`;
 mean init shows erank 1.0 (collapsed), centroid init a high rsa_cent; item_emb purity: the ceiling.
 """
-import argparse
-import ast
-import dataclasses
-import inspect
-import json
+
 import os
-import sys
 import time
-import typing
-from dataclasses import dataclass
-from typing import Annotated, Literal
 
 import numpy as np
 import torch
 
-
-@dataclass
-class Args:
-    out_dir: str = ""
-    """artifacts folder of steps 01-02 (default: out/<dataset>)"""
-    dataset: str = "ml-100k"
-    """dataset name, only used for the default --out-dir"""
-    models: str = ""
-    """comma-separated model folders (or names under <out-dir>/models; default: all with vocab)"""
-    names: str = ""
-    """comma-separated labels for --models (default: each folder's name)"""
-    save: str = ""
-    """diagnostics JSON path (default: <out-dir>/diagnostics.json); figures go beside it"""
-    figures: bool = True
-    """write the PNG figures"""
-    device: Literal["auto", "cpu", "cuda", "mps"] = "cpu"
-    """for the nearest-neighbour search of the purity (the rest is small numpy math)"""
-    seed: int = 0
-    """seeds the random-row purity reference and the probe folds"""
-
+from common import Parser, die, load_json, load_npy, load_pt, pick_device, write_json
 
 PURITY_K = 10           # nearest neighbours of an item for semantic purity
 PROBE_FOLDS = 5         # folds of the popularity probe (and of its inner CV for lambda)
 COLLAPSE_RTOL = 1e-3    # collapsed: ||X - mean||_F <= rtol ||X||_F; float noise: s_i <= rtol s_1
-HEATMAP_MAX = 1024      # tokens per cosine heatmap at most (evenly subsampled beyond it)
 
 
+def parse_args(argv=None):
+    p = Parser(__doc__)
+    p.add_argument("--out-dir", default="", help="artifacts folder of 01-02; empty: out/<dataset>")
+    p.add_argument("--dataset", default="ml-100k", help="only picks the default --out-dir")
+    p.add_argument("--models", default="",
+                   help="comma-separated model folders (or names under <out-dir>/models); "
+                        "empty: every one with sid_vocab.json")
+    p.add_argument("--names", default="", help="comma-separated labels for --models; empty: dirs")
+    p.add_argument("--save", default="", help="JSON to write; empty: <out-dir>/diagnostics.json")
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda", "mps"],
+                   help="for the nearest-neighbour search of the purity (the rest is numpy)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random rows and the probe folds")
+    return p.parse_args(argv)
+
+
+# --- The diagnostics' math: spectrum, cosines, RSA, popularity probe, purity ----------------------
 def spectrum(X: np.ndarray, center: bool = True, rtol: float = COLLAPSE_RTOL):
     """Spectrum: singular values, effective rank exp(H(p)), p_i = s_i / sum_j s_j, top-1 share.
     Collapsed rows (mean init, also with transformers' 1e-9-covariance noise) have no direction:
@@ -170,6 +159,7 @@ def knn_purity(V: np.ndarray, labels: np.ndarray, k=PURITY_K, chunk=2048, device
     return float(torch.cat(hits).mean())
 
 
+# --- Data: 01-02's artifacts, the model folders' SID rows -----------------------------------------
 def load_step_artifacts(out: str):
     """Loading: dataset.pt, item_emb.npy and {sids, pop, category, centroids, codebooks}."""
     ds = load_pt(os.path.join(out, "dataset.pt"), "run 01_embed_items.py and 02_rqvae.py first")
@@ -195,7 +185,7 @@ def load_step_artifacts(out: str):
     return ds, item_emb, data
 
 
-def model_folders(a: Args, out: str, n_items: int):
+def model_folders(a, out: str, n_items: int):
     """The folders to diagnose (--models, or every <out>/models/* with sid_vocab.json), labels."""
     root = os.path.join(out, "models")
     if a.models:
@@ -259,6 +249,7 @@ def load_model_rows(folder: str, sids: np.ndarray):
     return voc, [remap(t) for t in tok], remap(item_tok), E[ids].astype(np.float64), vocab
 
 
+# --- Diagnose one model's SID rows, per level and all together ------------------------------------
 def measure_rows(X, f, cent, book, seed, parent=None, lev=None):
     """Diagnose: spectrum, norms, cosines, RSA and the popularity probe of rows X (n, d) whose
     tokens have frequencies f. Returns (results, singular values, projection on PC1)."""
@@ -285,7 +276,7 @@ def measure_rows(X, f, cent, book, seed, parent=None, lev=None):
 
 def diagnose(E, tok, item_tok, vocab, data, seed: int):
     """E: the model's SID rows (n_tokens, d); tok / item_tok index into E. Returns (results,
-    figure data)."""
+    figure data: scripts/figures.py draws it)."""
     sids, pop, cents, books = data["sids"], data["pop"], data["centroids"], data["codebooks"]
     codes = [np.flatnonzero(t >= 0) for t in tok]                      # used codes per level
     rows = [E[tok[l][c]] for l, c in enumerate(codes)]                 # (K_l, d)
@@ -315,78 +306,7 @@ def diagnose(E, tok, item_tok, vocab, data, seed: int):
     return res, {"s": s, "proj": proj, "freq": f, "level": lev, "X": X}
 
 
-def figures(stem: str, results: dict, raw: dict, names: list):
-    """Figures: the spectra overlaid, then panels per model: cosine heatmaps, popularity."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m in raw:
-        s, erank = np.asarray(raw[m]["s"]), results[m]["levels"]["all"]["effective_rank"]
-        ax.semilogy(np.arange(1, len(s) + 1), s / max(s.sum(), 1e-30),
-                    label=f"{m} (erank {erank:.1f}{', collapsed' if not len(s) else ''})")
-    ax.set(xlabel="component", ylabel="s_i / sum s",
-           title="SID rows, centered: singular value spectrum")
-    ax.legend(fontsize=7)
-    nc = min(4, len(raw))
-    nr = (len(raw) + nc - 1) // nc                                     # rows of panels
-    return {"spectra": _save(plt, fig, f"{stem}_spectra.png"),
-            "cosine": plot_cosine(plt, f"{stem}_cosine.png", raw, nr, nc),
-            "popularity": plot_popularity(plt, f"{stem}_popularity.png", results, raw, names,
-                                          nr, nc)}
-
-
-def plot_cosine(plt, path, raw, nr, nc):
-    fig, axes = plt.subplots(2 * nr, nc, figsize=(3.2 * nc, 6.4 * nr), squeeze=False)
-    for i, m in enumerate(raw):                                   # raw, then centered per level
-        lev, X = raw[m]["level"], raw[m]["X"]
-        idx = np.arange(len(lev))
-        if len(idx) > HEATMAP_MAX:                                     # even subsample, level order
-            idx = np.round(np.linspace(0, len(lev) - 1, HEATMAP_MAX)).astype(int)
-        u = np.unique(lev)
-        Xc = X - np.stack([X[lev == l].mean(0) for l in u])[np.searchsorted(u, lev)]
-        for row, (Y, what) in enumerate([(X, "raw"), (Xc, "centered per level")]):
-            ax, C = axes[row * nr + i // nc, i % nc], cosine_matrix(Y[idx])
-            ax.imshow(C, vmin=-1, vmax=1, cmap="RdBu_r", interpolation="nearest")
-            for b in np.flatnonzero(np.diff(lev[idx])) + 0.5:
-                ax.axhline(b, color="k", lw=0.4)
-                ax.axvline(b, color="k", lw=0.4)
-            off = C[~np.eye(len(C), dtype=bool)].mean()
-            ax.set_title(f"{m} ({what})\nmean off-diag cos {off:.2f}", fontsize=8)
-            ax.set(xticks=[], yticks=[])
-    for i in range(len(raw), nr * nc):
-        axes[i // nc, i % nc].axis("off")
-        axes[nr + i // nc, i % nc].axis("off")
-    fig.suptitle("SID-row cosine, (level, code) order\ntop: raw; bottom: minus level mean",
-                 fontsize=8)
-    return _save(plt, fig, path)
-
-
-def plot_popularity(plt, path, results, raw, names, nr, nc):
-    fig, axes = plt.subplots(nr, nc, figsize=(3.2 * nc, 3 * nr), squeeze=False)
-    for ax, m in zip(axes.flat, raw):                                  # popularity scatter
-        r, fr = raw[m], np.log1p(raw[m]["freq"])
-        sign = -1.0 if np.dot(fr - fr.mean(), r["proj"]) < 0 else 1.0   # PC1's sign is arbitrary
-        for l in np.unique(r["level"]):
-            k = r["level"] == l
-            ax.scatter(fr[k], sign * r["proj"][k], s=4, label=names[l])
-        rho = results[m]["levels"]["all"]["pop_spearman_abs"]
-        ax.set_title(f"{m}: |rho| {rho if rho is None else round(rho, 2)}", fontsize=8)
-        ax.set_xlabel("log(1 + token freq)", fontsize=7)
-        ax.set_ylabel("projection on PC1", fontsize=7)
-    for ax in list(axes.flat)[len(raw):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=6, markerscale=2)
-    return _save(plt, fig, path)
-
-
-def _save(plt, fig, path):
-    fig.tight_layout()
-    atomic_write(path, lambda t: fig.savefig(t, dpi=110, format="png"))
-    plt.close(fig)
-    return path
-
-
+# --- main: artifacts -> references -> each model -> save ------------------------------------------
 def main():
     a = parse_args()
     t0 = time.time()
@@ -407,10 +327,10 @@ def main():
                  "purity_chance": float(((chance - 1) / (len(cat) - 1)).mean())}
     print(f"purity@{PURITY_K}: item_emb {reference['purity_item_emb']:.3f}  random SID rows "
           f"{reference['purity_random_sid_rows']:.3f}  chance {reference['purity_chance']:.3f}")
-    results, raw = {}, {}
+    results = {}
     f3 = lambda v: "  n/a" if v is None else f"{v:5.2f}"
     for name, (folder, voc, tok, item_tok, E, vocab) in zip(labels, loaded):
-        res, raw[name] = diagnose(E, tok, item_tok, vocab, data, a.seed)
+        res, _ = diagnose(E, tok, item_tok, vocab, data, a.seed)
         results[name], al = {"path": folder, "init": voc.get("init"), **res}, res["levels"]["all"]
         print(f"{name:<22} erank {al['effective_rank']:6.1f}  top1 {al['top1_var_share']:.2f}  "
               f"mean_cos {f3(al['mean_cos'])}  rsa_cent {f3(al['rsa_centroids'])}  "
@@ -418,109 +338,11 @@ def main():
               f"probe_r2 {f3(al['pop_probe_r2'])}  purity {f3(res['purity'])}")
     save = a.save or os.path.join(out, "diagnostics.json")
     os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
-    figs = figures(os.path.splitext(save)[0], results, raw, names) if a.figures else {}
     summary = {"out_dir": out, "dataset": ds.get("dataset"), "num_items": int(len(sids)),
-               "level_names": names, "reference": reference, "models": results, "figures": figs,
+               "level_names": names, "reference": reference, "models": results,
                "seconds": round(time.time() - t0, 2)}
-    atomic_write(save, lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
-    print(f"wrote {save} and {len(figs)} figures in {summary['seconds']:.1f}s")
-
-
-# --------------------------------------------------------------------------------------------------
-# Helpers: the same text in every script that has them (tests/test_plumbing.py checks it);
-# no script imports another. Below main(): Python looks names up when main() runs.
-# --------------------------------------------------------------------------------------------------
-os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """The CLI generated from Args: help = the docstring under each field, --flag/--no-flag for a
-    bool, choices = a Literal's values, and a bound Annotated[int, ">= 1"] checked here."""
-    body = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
-    hints = typing.get_type_hints(Args, include_extras=True)
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    bounds = {}
-    for f in dataclasses.fields(Args):
-        flag, t, kw = "--" + f.name.replace("_", "-"), hints[f.name], {"default": f.default}
-        if typing.get_origin(t) is Annotated:
-            t, bounds[f.name] = typing.get_args(t)[:2]
-        if t is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(t) is Literal:
-            kw["choices"] = typing.get_args(t)
-        else:
-            kw["type"] = t
-        p.add_argument(flag, help=f"{docs.get(f.name, '')} (default: {f.default})", **kw)
-    args = Args(**vars(p.parse_args()))
-    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
-        op, limit = bound.split()
-        v = getattr(args, name)
-        if not (v >= float(limit) if op == ">=" else v > float(limit)):
-            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
-    return args
-
-
-def pick_device(name: str) -> torch.device:
-    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line."""
-    if name == "auto":
-        mps = torch.backends.mps.is_available()
-        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name == "mps" and not torch.backends.mps.is_available():
-        die("--device mps but MPS is not available; use --device cpu")
-    return torch.device(name)
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
-    torch:  atomic_write(p, lambda t: torch.save(obj, t))
-    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (a str path would get .npy)
-    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file
-# and what to do (`hint`: which step makes it), never a traceback.
-def load_artifact(path: str, hint: str, read):
-    if not os.path.isfile(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return read(path)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
-
-
-def load_pt(path: str, hint: str):           # tensors, lists, dicts; never pickled objects
-    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
-
-
-def load_npy(path: str, hint: str) -> np.ndarray:
-    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
-
-
-def load_json(path: str, hint: str):
-    return load_artifact(path, hint, lambda p: json.loads(open(p, encoding="utf-8").read()))
+    write_json(save, summary)
+    print(f"wrote {save} in {summary['seconds']:.1f}s")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
-"""The README's figure: singular-value spectra of the SID rows for mean, mean + GTI and centroid init.
+"""Figures of the SID rows: the README's spectra figure, and the three figures of a 07 diagnostics JSON.
 
     make figures     (= 04 on models/mean if mean+gti is missing, then this script)
     python scripts/figures.py --out-dir out/ml-100k --save results/ml-100k_spectra.png
+    python scripts/figures.py --diagnostics out/ml-100k/diagnostics.json     (after 07_diagnose.py)
 
-Reads <out-dir>/sids.npy and the model folders' SID rows with 07_diagnose.py's own loader and
-spectrum (loaded by path); writes one PNG. Centered rows; p_i = s_i / sum s; erank = exp(H(p)).
+The first reads <out-dir>/sids.npy and the model folders' SID rows with 07_diagnose.py's own loader and
+spectrum (common.load_step) and writes one PNG. The second reads the JSON 07 wrote (its out_dir, models
+and level names), gets each model's SID rows again with 07's loader and `diagnose`, and writes beside it
+<stem>_spectra.png (the spectra overlaid), <stem>_cosine.png (cosine heatmaps in (level, code) order, raw
+and centered per level, one column per model) and <stem>_popularity.png (log token frequency against the
+projection on PC1). Centered rows; p_i = s_i / sum s; erank = exp(H(p)).
 """
-import argparse
-import importlib.util
 import os
+import sys
 
 import matplotlib
 import numpy as np
@@ -17,18 +21,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from common import Parser, atomic_write, die, load_json, load_npy, load_step  # noqa: E402
+
+diag = load_step("07_diagnose")
+HEATMAP_MAX = 1024      # tokens per cosine heatmap at most (evenly subsampled beyond it)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out-dir", default="out/ml-100k", help="the folder `make run` wrote")
-    p.add_argument("--models", default="mean,mean+gti,centroid", help="folders under <out-dir>/models")
-    p.add_argument("--save", default="results/ml-100k_spectra.png", help="the PNG to write")
-    a = p.parse_args()
-    spec = importlib.util.spec_from_file_location("diag07", os.path.join(REPO, "07_diagnose.py"))
-    diag = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(diag)
-    sids = diag.load_npy(os.path.join(a.out_dir, "sids.npy"), "run 02_rqvae.py (or make run) first")
+def readme_spectra(a):
+    """The README's figure: spectra of --models' SID rows (centered) in one panel."""
+    sids = load_npy(os.path.join(a.out_dir, "sids.npy"), "run 02_rqvae.py (or make run) first")
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for name in a.models.split(","):
         rows = diag.load_model_rows(os.path.join(a.out_dir, "models", name), sids)[3]  # (S, d)
@@ -40,8 +42,102 @@ def main():
            title=f"SID rows ({len(rows)} tokens), centered: singular-value spectrum")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    diag.atomic_write(a.save, lambda t: fig.savefig(t, dpi=110, format="png"))    # 07's own writer
+    atomic_write(a.save, lambda t: fig.savefig(t, dpi=110, format="png"))
     print(f"wrote {a.save}")
+
+
+def diagnostics_figures(path):
+    """07's figures beside its JSON: the spectra overlaid, then panels per model (cosine, popularity)."""
+    d = load_json(path, "write it with 07_diagnose.py first")
+    try:
+        out, names, models = d["out_dir"], d["level_names"], {m: r["path"] for m, r in d["models"].items()}
+    except (KeyError, TypeError) as e:
+        die(f"{path} lacks what 07_diagnose.py writes ({type(e).__name__}: {e}); rerun 07")
+    _, _, data = diag.load_step_artifacts(out)
+    data["names"], data["device"] = names, "cpu"
+    results, raw = {}, {}
+    for m, folder in models.items():                                    # the rows, as 07 measured them
+        _, tok, item_tok, E, vocab = diag.load_model_rows(folder, data["sids"])
+        results[m], raw[m] = diag.diagnose(E, tok, item_tok, vocab, data, 0)
+    stem = os.path.splitext(path)[0]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in raw:
+        s, erank = np.asarray(raw[m]["s"]), results[m]["levels"]["all"]["effective_rank"]
+        ax.semilogy(np.arange(1, len(s) + 1), s / max(s.sum(), 1e-30),
+                    label=f"{m} (erank {erank:.1f}{', collapsed' if not len(s) else ''})")
+    ax.set(xlabel="component", ylabel="s_i / sum s",
+           title="SID rows, centered: singular value spectrum")
+    ax.legend(fontsize=7)
+    nc = min(4, len(raw))
+    nr = (len(raw) + nc - 1) // nc                                     # rows of panels
+    figs = [save(fig, f"{stem}_spectra.png"), plot_cosine(f"{stem}_cosine.png", raw, nr, nc),
+            plot_popularity(f"{stem}_popularity.png", results, raw, names, nr, nc)]
+    print(f"wrote {', '.join(figs)}")
+
+
+def plot_cosine(path, raw, nr, nc):
+    fig, axes = plt.subplots(2 * nr, nc, figsize=(3.2 * nc, 6.4 * nr), squeeze=False)
+    for i, m in enumerate(raw):                                   # raw, then centered per level
+        lev, X = raw[m]["level"], raw[m]["X"]
+        idx = np.arange(len(lev))
+        if len(idx) > HEATMAP_MAX:                                     # even subsample, level order
+            idx = np.round(np.linspace(0, len(lev) - 1, HEATMAP_MAX)).astype(int)
+        u = np.unique(lev)
+        Xc = X - np.stack([X[lev == l].mean(0) for l in u])[np.searchsorted(u, lev)]
+        for row, (Y, what) in enumerate([(X, "raw"), (Xc, "centered per level")]):
+            ax, C = axes[row * nr + i // nc, i % nc], diag.cosine_matrix(Y[idx])
+            ax.imshow(C, vmin=-1, vmax=1, cmap="RdBu_r", interpolation="nearest")
+            for b in np.flatnonzero(np.diff(lev[idx])) + 0.5:
+                ax.axhline(b, color="k", lw=0.4)
+                ax.axvline(b, color="k", lw=0.4)
+            off = C[~np.eye(len(C), dtype=bool)].mean()
+            ax.set_title(f"{m} ({what})\nmean off-diag cos {off:.2f}", fontsize=8)
+            ax.set(xticks=[], yticks=[])
+    for i in range(len(raw), nr * nc):
+        axes[i // nc, i % nc].axis("off")
+        axes[nr + i // nc, i % nc].axis("off")
+    fig.suptitle("SID-row cosine, (level, code) order\ntop: raw; bottom: minus level mean",
+                 fontsize=8)
+    return save(fig, path)
+
+
+def plot_popularity(path, results, raw, names, nr, nc):
+    fig, axes = plt.subplots(nr, nc, figsize=(3.2 * nc, 3 * nr), squeeze=False)
+    for ax, m in zip(axes.flat, raw):                                  # popularity scatter
+        r, fr = raw[m], np.log1p(raw[m]["freq"])
+        sign = -1.0 if np.dot(fr - fr.mean(), r["proj"]) < 0 else 1.0   # PC1's sign is arbitrary
+        for l in np.unique(r["level"]):
+            k = r["level"] == l
+            ax.scatter(fr[k], sign * r["proj"][k], s=4, label=names[l])
+        rho = results[m]["levels"]["all"]["pop_spearman_abs"]
+        ax.set_title(f"{m}: |rho| {rho if rho is None else round(rho, 2)}", fontsize=8)
+        ax.set_xlabel("log(1 + token freq)", fontsize=7)
+        ax.set_ylabel("projection on PC1", fontsize=7)
+    for ax in list(axes.flat)[len(raw):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6, markerscale=2)
+    return save(fig, path)
+
+
+def save(fig, path):
+    fig.tight_layout()
+    atomic_write(path, lambda t: fig.savefig(t, dpi=110, format="png"))
+    plt.close(fig)
+    return path
+
+
+def main():
+    p = Parser(__doc__)
+    p.add_argument("--out-dir", default="out/ml-100k", help="the folder `make run` wrote")
+    p.add_argument("--models", default="mean,mean+gti,centroid", help="folders under <out-dir>/models")
+    p.add_argument("--save", default="results/ml-100k_spectra.png", help="the PNG to write")
+    p.add_argument("--diagnostics", default="",
+                   help="a JSON written by 07_diagnose.py: draw its three figures beside it instead")
+    a = p.parse_args()
+    if a.diagnostics:
+        diagnostics_figures(a.diagnostics)
+    else:
+        readme_spectra(a)
 
 
 if __name__ == "__main__":

@@ -259,6 +259,6 @@ def test_three_token_sids_flow_through_03_to_07(tmp_path):
     run("06_eval.py", "--out-dir", out, "--model", m + "+gti+sft", "--beam", 5, "--users", 8, "--device", "cpu")
     topk = np.load(os.path.join(m + "+gti+sft", "eval_test_topk.npy"))
     assert topk.shape == (8, 5) and ((topk >= 0) & (topk < 40)).all()
-    r = run("07_diagnose.py", "--out-dir", out, "--models", "centroid,centroid+gti+sft", "--no-figures")
+    r = run("07_diagnose.py", "--out-dir", out, "--models", "centroid,centroid+gti+sft")
     d = json.load(open(os.path.join(out, "diagnostics.json")))
     assert set(d["models"]["centroid"]["levels"]) == set(vocab["level_names"]) | {"all"}, r.stdout

@@ -1,5 +1,5 @@
 """07_diagnose.py: the diagnostics' math on constructed cases, then the script on tiny model folders that carry
-SID tokens (built here, independently of 03, following docs/artifacts.md)."""
+SID tokens (built here, independently of 03, following docs/artifacts.md), and scripts/figures.py on its JSON."""
 import json
 import os
 import shutil
@@ -31,6 +31,8 @@ def test_effective_rank_orthonormal_set():
     assert diag.spectrum(Q)["effective_rank"] == pytest.approx(7, abs=1e-6)    # centering removes one
     s = diag.spectrum(np.diag([3.0, 1.0, 0.0]) @ np.eye(3), center=False)
     assert s["top1_var_share"] == pytest.approx(0.9)
+    p = np.array([0.75, 0.25])                                                 # p_i = s_i / sum s, s = (3, 1)
+    assert s["effective_rank"] == pytest.approx(np.exp(-(p * np.log(p)).sum()))  # exp(H(p)) = 1.755
 
 
 def test_rankdata_and_spearman():
@@ -130,14 +132,15 @@ def diag_setup(tmp_path_factory):
     return out, base
 
 
-def test_diagnose_runs_and_writes_json_and_pngs(diag_setup):
+def test_diagnose_runs_and_writes_json_then_figures(diag_setup):
     out, _ = diag_setup
     r = run("07_diagnose.py", "--out-dir", out)
     d = json.load(open(os.path.join(out, "diagnostics.json")))
     assert set(d["models"]) == {"mean", "random", "centroid"}, r.stdout
-    for path in d["figures"].values():
-        assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    assert set(d["figures"]) == {"spectra", "cosine", "popularity"}
+    assert not [f for f in os.listdir(out) if f.endswith(".png")]          # 07 measures; figures.py draws
+    r = run("scripts/figures.py", "--diagnostics", os.path.join(out, "diagnostics.json"))
+    for kind in ("spectra", "cosine", "popularity"):
+        assert open(os.path.join(out, f"diagnostics_{kind}.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n", r.stdout
     mean, cent = d["models"]["mean"]["levels"], d["models"]["centroid"]["levels"]
     for lev in ("a", "b", "c", "all"):
         assert mean[lev]["collapsed"] and mean[lev]["effective_rank"] == 1.0
@@ -163,6 +166,7 @@ def test_diagnose_save_path_and_subset(diag_setup, tmp_path):
         "--save", save, "--names", "R,M")
     d = json.load(open(save))
     assert list(d["models"]) == ["R", "M"]
+    run("scripts/figures.py", "--diagnostics", save)
     assert os.path.exists(str(tmp_path / "sub" / "after_init_cosine.png"))
 
 
@@ -184,3 +188,9 @@ def test_bad_inputs_one_line(diag_setup, tmp_path):
     shutil.copy(os.path.join(out, "rqvae.pt"), empty)
     err = assert_one_line_error(run("07_diagnose.py", "--out-dir", empty, check=False))
     assert "no model folder" in err
+    not_07 = str(tmp_path / "not_07.json")
+    json.dump({"models": {}}, open(not_07, "w"))
+    err = assert_one_line_error(run("scripts/figures.py", "--diagnostics", not_07, check=False))
+    assert "lacks what 07_diagnose.py writes" in err
+    err = assert_one_line_error(run("scripts/figures.py", "--diagnostics", str(tmp_path / "nope.json"), check=False))
+    assert "nope.json not found" in err
