@@ -8,6 +8,7 @@ centroid_{l,k} below is what centroid init (Loveland et al. 2026, Alg. 1) builds
     z_q = sum_l e^l_{c_l};  x_hat = dec(z + sg[z_q - z])                 straight-through estimator
     loss = ||x - x_hat||^2 + sum_l ( ||sg[r_l] - e^l_{c_l}||^2 + beta ||r_l - sg[e^l_{c_l}]||^2 )
     codebooks: k-means on the first batch; codes unused for --reseed-every steps <- residuals
+               (the re-seeding is ours, not TIGER's: --reseed-every 0 turns it off)
     suffix:    SID = (c_0, ..., c_{L-1}, s), s = 0, 1, ... numbers the items sharing c_0..c_{L-1}
     centroids: centroid_{l,k} = mean of x_i over the items with code k at level l, l = 0..L
 --quantizer rqkmeans (the centroid paper's SIDs): eq. 1 on x itself with k-means codebooks.
@@ -32,7 +33,7 @@ import torch.nn as nn
 from common import (Parser, atomic_write, die, load_npy, load_pt, nonneg_int, pick_device,
                     pos_float, pos_int, seed_everything, write_json)
 
-SMALL_CATALOG, SMALL_K, LARGE_K = 4096, 64, 256      # --codebook-size 0: K = 64 for N <= 4096
+SMALL_CATALOG, SMALL_K, LARGE_K = 4096, 64, 256      # TIGER: K = 256; auto: 64 for N <= 4096
 CPU_THREADS = 1                                      # this small MLP runs fastest on one thread
 
 
