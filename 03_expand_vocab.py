@@ -1,28 +1,28 @@
 """Step 3: add one LM token per Semantic-ID code and initialize the new embedding rows four ways.
 
-Paper step: vocabulary expansion before grounding/SFT. `random` and `mean` are the baselines of both
-papers (centroid paper: "standard" = Gaussian with the pretrained rows' statistics; GTI paper: mean
-init, what Hugging Face `resize_token_embeddings(mean_resizing=True)` gives). `centroid` is
-Algorithm 1 of the centroid paper (Loveland et al. 2026); `shuffled` is its ablation.
+Paper step: vocabulary expansion before grounding/SFT. `centroid` is Algorithm 1 of the centroid
+paper (Loveland et al. 2026); `shuffled` is its ablation; `random` and `mean` are the baselines of
+both papers (centroid paper: "standard" = Gaussian with the pretrained rows' statistics; GTI paper:
+mean init, what Hugging Face `resize_token_embeddings(mean_resizing=True)` gives).
 
     token (l, k) = "<{letter_l}_{k}>" for every code k used at level l (0..L-1 and the suffix level)
-    random:   e_{l,k} ~ N(mu, diag(sigma^2))      mu, sigma = per-dimension mean/std, existing rows
-    mean:     e_{l,k} = mu
-    centroid: c_{l,k} = mean of x_i over items with code k at level l    (02's centroids.pt, d dims)
-              c'_{l,k} = P(c_{l,k})    P = truncate to d_model (d >= d_model), else zero-pad or a
-                                      seeded orthonormal d -> d_model map (both keep all distances)
-              e_{l,k} = s * (c'_{l,k} - mean_{l,k} c') + mu       (Alg. 1 mean shift; s = 1 "plain",
-                        s = rms spread of the existing rows / rms spread of the c' ("matched");
-                        "level", the default: each level centered on its own mean, scaled to that)
-              --suffix-rows random: the collision-suffix level's rows drawn as random init's instead
+    vocab_mean, sigma = per-dimension mean / std of the pretrained rows                      (D,)
+    random:   e_{l,k} ~ N(vocab_mean, diag(sigma^2))
+    mean:     e_{l,k} = vocab_mean
+    centroid: c_{l,k} = mean of x_i over items with code k at level l   (02's centroids.pt, d dims)
+              c'_{l,k} = P(c_{l,k})   P = truncate to D (d >= D, the paper's case), else a seeded
+                                      orthonormal d -> D map (keeps all distances)
+              Algorithm 1 (--centroid-scale plain):  e_{l,k} = c'_{l,k} - mean_{l,k} c' + vocab_mean
+              default (--centroid-scale level): each level l centered on its own mean and scaled to
+              the pretrained rows' rms spread, then + vocab_mean (matched: one scale for all levels)
     shuffled: the centroid rows permuted among the codes of each level (no semantic alignment)
 
 Rows are written by token id (never weight[-n:]: Qwen-style checkpoints pad rows past the
-tokenizer). An untied output head gets the same recipe with its own statistics; --head-init X unties
-a tied head and gives the head's new rows init X. Existing rows: the tokenizer's (no padding rows).
+tokenizer). An untied output head gets the same recipe with its own statistics. Existing rows: the
+tokenizer's (no padding rows).
 
-Reads:  <out-dir>/dataset.pt (01: item count and fingerprint), sids.npy, centroids.pt, rqvae.pt
-        (02; only its config: is the last level a collision suffix?), the base model
+Reads:  <out-dir>/dataset.pt (01: item count and fingerprint), sids.npy, centroids.pt (02),
+        the base model
 Writes: <out-dir>/models/<init>/ (model + tokenizer via save_pretrained, plus sid_vocab.json),
         <out-dir>/03_expand_vocab.json (per init: num_new_tokens, norms of new vs old rows, seconds)
 CPU:  python 03_expand_vocab.py                 (all four inits)
@@ -31,81 +31,72 @@ Good run prints the number of new tokens per level and, per init, the mean norm 
   init=centroid  new rows |e| 3.3 (old 3.2)  -> out/ml-100k/models/centroid
 """
 import argparse
-import ast
-import dataclasses
-import hashlib
-import inspect
 import json
 import os
-import random
-import shutil
-import sys
 import time
-import typing
-from dataclasses import dataclass
-from typing import Annotated, Literal
 
 import numpy as np
 import torch
 
+from common import (Parser, die, items_key, load_hf, load_npy, load_pt, pick_device, save_folder,
+                    seed_everything, write_json)
+
 INITS = ("random", "mean", "centroid", "shuffled")
-SHUFFLE_SEED, SUFFIX_SEED = 1, 2         # --seed offsets: the shuffle, the random suffix rows
+SHUFFLE_SEED = 1                         # --seed offset of the shuffle's generator
 
 
-@dataclass
-class Args:
-    dataset: str = "ml-100k"
-    """only picks the default --out-dir (out/<dataset>)"""
-    out_dir: str = ""
-    """artifacts folder: reads dataset.pt, sids.npy, centroids.pt; writes models/<init>/,
-    03_expand_vocab.json (default: out/<dataset>)"""
-    model: str = "models/SmolLM2-135M-Instruct"
-    """base causal LM: a Hugging Face folder or hub name (tied or untied head)"""
-    init: Literal["random", "mean", "centroid", "shuffled", "all"] = "all"
-    """the new rows' init; all = the four folders from one load of the base model"""
-    centroid_map: Literal["pad", "orthogonal"] = "orthogonal"
-    """centroid init when d < d_model: pad (zero-pad) or orthogonal (seeded orthonormal map)"""
-    centroid_scale: Literal["plain", "matched", "level"] = "level"
-    """centroid init: plain (the paper's mean shift only) | matched (also scale all rows to the
-    existing rows' spread) | level (each level centered on its own mean, scaled to that spread)"""
-    suffix_rows: Literal["centroid", "random"] = "centroid"
-    """centroid/shuffled with a collision-suffix level (02 --collisions suffix): its rows follow
-    the init (centroid) or are drawn like random init's (random); no effect without a suffix"""
-    head_init: Literal["same", "random", "mean", "centroid", "shuffled"] = "same"
-    """same: the head, tied or not, follows --init; else untie the output head and give its new rows
-    this init"""
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    """where the statistics are computed (cpu is fast enough); auto = cuda, else mps, else cpu"""
-    seed: int = 0
-    """seeds random, numpy and torch (random rows, orthonormal map, shuffle)"""
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(__doc__)
+    p.add_argument("--dataset", default="ml-100k", help="only picks the default --out-dir (out/<dataset>)")
+    p.add_argument("--out-dir", default="",
+                   help="artifacts folder: reads dataset.pt, sids.npy, centroids.pt; writes models/<init>/, "
+                        "03_expand_vocab.json (default: out/<dataset>)")
+    p.add_argument("--model", default="models/SmolLM2-135M-Instruct",
+                   help="base causal LM: a Hugging Face folder or hub name (tied or untied head)")
+    p.add_argument("--init", default="all", choices=[*INITS, "all"],
+                   help="the new rows' init; all = the four folders from one load of the base model")
+    p.add_argument("--centroid-scale", default="level", choices=["plain", "matched", "level"],
+                   help="centroid init: plain (Algorithm 1: the paper's mean shift only) | matched (also "
+                        "scale all rows to the existing rows' spread) | level (each level centered on its "
+                        "own mean, scaled to that spread)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="where the statistics are computed (cpu is fast enough); auto = cuda, else mps, "
+                        "else cpu")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds random, numpy and torch (random rows, orthonormal map, shuffle)")
+    return p.parse_args(argv)
 
 
 # --- The paper step: four initializations of the new rows (centroid: Algorithm 1) ----------------
-def new_rows(init: str, old: torch.Tensor, cents: list, args: Args, suffix: bool = False):
-    """Rows for the new tokens in (level, code) order. old: (V_old, D) fp32; cents: (n_l, d) each.
-    suffix: the last level is a collision suffix (its rows are random with --suffix-rows random)."""
+def new_rows(init: str, old: torch.Tensor, cents: list, scale: str = "level", seed: int = 0):
+    """Rows for the new tokens in (level, code) order -> (n, D). old: (V_old, D) fp32 pretrained rows;
+    cents: per level (n_l, d) centroids of the used codes; scale: --centroid-scale; seed: --seed."""
     n = sum(len(c) for c in cents)
-    mu, sigma = old.mean(0), old.std(0)                       # per-dimension statistics        (D,)
-    if suffix and args.suffix_rows == "random" and init in ("centroid", "shuffled"):
-        gen = torch.Generator().manual_seed(args.seed + SUFFIX_SEED)     # semantic levels as usual
-        tail = mu + sigma * torch.randn(len(cents[-1]), old.shape[1], generator=gen)  # (n_sfx, D)
-        return torch.cat([new_rows(init, old, cents[:-1], args), tail])
-    gen = torch.Generator().manual_seed(args.seed)
+    vocab_mean, sigma = old.mean(0), old.std(0)               # per-dimension statistics        (D,)
+    gen = torch.Generator().manual_seed(seed)
     if init == "random":
-        return mu + sigma * torch.randn(n, old.shape[1], generator=gen)   # e ~ N(mu, diag sigma^2)
+        return vocab_mean + sigma * torch.randn(n, old.shape[1], generator=gen)  # N(mean, sigma^2)
     if init == "mean":
-        return mu.expand(n, -1).clone()                                   # e = mu           (n, D)
-    # centroid / shuffled: map, center on the centroids' own mean, (scale), shift to mu   (Alg. 1)
-    c = map_to_width(torch.cat(cents), old.shape[1], args.centroid_map, gen)   # c' = P(c)  (n, D)
-    spread = lambda x: x.pow(2).sum(1).mean().sqrt().clamp_min(1e-12)     # rms norm, centered rows
-    per_level = args.centroid_scale == "level"                             # level: each level alone
-    groups = c.split([len(cl) for cl in cents]) if per_level else [c]
-    groups = [g - g.mean(0) for g in groups]                               # c' - mean_{l,k} c'
-    if args.centroid_scale != "plain":                                     # s = rms spread old / c'
-        groups = [g * (spread(old - mu) / spread(g)) for g in groups]
-    rows = torch.cat(groups) + mu                                          # + mu            (n, D)
+        return vocab_mean.expand(n, -1).clone()                           # e = vocab_mean   (n, D)
+    # centroid / shuffled. Algorithm 1: map to the LM width, center, shift to the vocabulary mean
+    c = map_to_width(torch.cat(cents), old.shape[1], gen)                  # c' = P(c)        (n, D)
+    if scale == "plain":
+        rows = c - c.mean(0) + vocab_mean                       # e = c' - mean_{l,k} c' + vocab_mean
+    else:
+        # The default deviates: `level` centers each level on its own mean and scales it to the
+        # pretrained rows' rms spread (`matched`: all levels at once). Measured reasons: plain rows
+        # are small next to the distance 04's grounding moves them (lr 1e-2, 120 steps: RSA to the
+        # centroids 1.00 -> 0.19 plain vs 0.95 matched, results/ml-100k_grounding.md); per level
+        # beats matched in 05 (val loss at step 66: 2.118 / 2.128 vs 2.443 / 2.301, seeds 0 / 1;
+        # level c accuracy 0.59 / 0.61 vs 0.37 / 0.47: deeper levels' centroids are tighter than
+        # level a's; results/ml-100k_suffix.md).
+        spread = lambda x: x.pow(2).sum(1).mean().sqrt().clamp_min(1e-12)  # rms norm, centered rows
+        groups = c.split([len(cl) for cl in cents]) if scale == "level" else [c]
+        groups = [g - g.mean(0) for g in groups]                           # c' - mean of its group
+        groups = [g * (spread(old - vocab_mean) / spread(g)) for g in groups]   # s = rms old / c'
+        rows = torch.cat(groups) + vocab_mean                              # + vocab_mean     (n, D)
     if init == "shuffled":                                                 # permute within a level
-        perm_gen, start, order = torch.Generator().manual_seed(args.seed + SHUFFLE_SEED), 0, []
+        perm_gen, start, order = torch.Generator().manual_seed(seed + SHUFFLE_SEED), 0, []
         for cl in cents:
             order.append(start + torch.randperm(len(cl), generator=perm_gen))
             start += len(cl)
@@ -113,14 +104,12 @@ def new_rows(init: str, old: torch.Tensor, cents: list, args: Args, suffix: bool
     return rows
 
 
-def map_to_width(c: torch.Tensor, d_model: int, how: str, gen: torch.Generator) -> torch.Tensor:
-    """P: (n, d) centroids -> (n, d_model). Truncation for d >= d_model (MRL prefixes); else pad or
-    orthonormal."""
+def map_to_width(c: torch.Tensor, d_model: int, gen: torch.Generator) -> torch.Tensor:
+    """P: (n, d) centroids -> (n, d_model). Truncation for d >= d_model (the paper: MRL prefixes);
+    else a seeded orthonormal map, which keeps all distances."""
     n, d = c.shape
     if d >= d_model:
         return c[:, :d_model]                                  # truncate (the paper's choice)
-    if how == "pad":
-        return torch.cat([c, c.new_zeros(n, d_model - d)], 1)  # zero-pad            (n, d_model)
     q, r = torch.linalg.qr(torch.randn(d_model, d, generator=gen, dtype=torch.float64))  # q (D, d)
     q = q * torch.sign(torch.diagonal(r))                      # unique (Haar) orthonormal columns
     return (c.double() @ q.T).to(c.dtype)                      # x -> Q x keeps all distances
@@ -150,10 +139,7 @@ def load_codes(out_dir: str):
                 f"{len(cp['centroids'][l])}; rerun 02")
     cents = [cp["centroids"][l].float()[u] for l, u in enumerate(used)]      # per level (n_l, d)
     sizes = [int(len(cp["centroids"][l])) for l in range(sids.shape[1])]
-    rq = load_pt(os.path.join(out_dir, "rqvae.pt"), "run 02_rqvae.py first")
-    config = rq.get("config", {}) if isinstance(rq, dict) else {}
-    suffix = config.get("collisions", "suffix") == "suffix"
-    return sids.astype(np.int64), used, cents, sizes, ds, suffix
+    return sids.astype(np.int64), used, cents, sizes, ds
 
 
 def level_letter(l: int) -> str:
@@ -177,8 +163,8 @@ def sid_vocab(sids, used, sizes, letters, ids, ds) -> dict:
     }
 
 
-# --- main: codes -> tokens -> one Hugging Face folder per init (save_folder: temp, then swapped in)
-def add_sid_tokens(args: Args, names):
+# --- The model: new tokens, their rows written by token id ---------------------------------------
+def add_sid_tokens(args, names):
     """Add the SID tokens to the tokenizer; resize the embedding matrix only if it is too small.
     -> tok, model, the new rows' token ids (n,), the matrices to fill, untied?, old vocab size"""
     tok, model = load_hf(args.model, "pass a Hugging Face causal LM folder (`make setup` makes the "
@@ -193,20 +179,18 @@ def add_sid_tokens(args: Args, names):
         model.resize_token_embeddings(len(tok), mean_resizing=False)  # rows overwritten by id
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     untied = head is not None and head.weight.data_ptr() != emb.weight.data_ptr()
-    if args.head_init != "same" and not untied:
-        untied = untie_head(args, model, emb, head)
     mats = {"embed": emb.weight} | ({"head": head.weight} if untied else {})
     return tok, model, ids, mats, untied, vocab_before
 
 
-def fill_rows(args: Args, init: str, mats: dict, olds: dict, ids, cents, suffix: bool, device):
+def fill_rows(args, init: str, mats: dict, olds: dict, ids, cents, device):
     """Write each matrix's new rows (by token id); returns their norms next to the old rows'."""
     norms = {}
     rms = lambda x: round(float((x - x.mean(0)).pow(2).sum(1).mean().sqrt()), 4)   # rms spread
     with torch.no_grad():
         for k, w in mats.items():
-            how = args.head_init if k == "head" and args.head_init != "same" else init
-            rows = new_rows(how, olds[k], [c.to(device) for c in cents], args, suffix)  # (n, D)
+            rows = new_rows(init, olds[k], [c.to(device) for c in cents], args.centroid_scale,
+                            args.seed)                                                   # (n, D)
             w[ids.to(w.device)] = rows.to(w.device, w.dtype)                 # write by token id
             norms[k] = {"new_mean_norm": round(float(rows.norm(dim=1).mean()), 4),
                         "old_mean_norm": round(float(olds[k].norm(dim=1).mean()), 4),
@@ -214,14 +198,25 @@ def fill_rows(args: Args, init: str, mats: dict, olds: dict, ids, cents, suffix:
     return norms
 
 
-def main():
-    args = parse_args()
+def load_summary(path: str) -> dict:
+    """03_expand_vocab.json of an earlier run (another --init); {} if there is none or it is bad."""
+    if os.path.exists(path):
+        try:
+            return json.load(open(path))
+        except Exception:
+            return {}
+    return {}
+
+
+# --- main: codes -> tokens -> one Hugging Face folder per init (save_folder: temp, then swapped in)
+def main(argv=None):
+    args = parse_args(argv)
     args.out_dir = args.out_dir or os.path.join("out", args.dataset)
     inits = list(INITS) if args.init == "all" else [args.init]
     seed_everything(args.seed)
     device = pick_device(args.device)
     t0 = time.time()
-    sids, used, cents, sizes, ds, suffix = load_codes(args.out_dir)
+    sids, used, cents, sizes, ds = load_codes(args.out_dir)
     L1 = sids.shape[1]
     letters = [level_letter(l) for l in range(L1)]
     names = [f"<{letters[l]}_{k}>" for l in range(L1) for k in used[l]]
@@ -242,181 +237,19 @@ def main():
     os.makedirs(os.path.join(args.out_dir, "models"), exist_ok=True)
     for init in inits:
         t1 = time.time()
-        norms = fill_rows(args, init, mats, olds, ids, cents, suffix, device)
+        norms = fill_rows(args, init, mats, olds, ids, cents, device)
         dst = os.path.join(args.out_dir, "models", init)
         save_folder(dst, model, tok, {"sid_vocab.json": json.dumps(vocab | {"init": init})})
         summary[init] = {"init": init, "num_new_tokens": len(names), "model": args.model,
                          "vocab_before": vocab_before, "vocab_after": len(tok), "tied": not untied,
-                         "centroid_map": args.centroid_map, "centroid_scale": args.centroid_scale,
-                         "suffix_rows": args.suffix_rows if suffix else "none",
-                         "head_init": init if args.head_init == "same" else args.head_init,
+                         "centroid_scale": args.centroid_scale,
                          "norms": norms, "seconds": round(time.time() - t1, 2)}
         e = norms["embed"]
         print(f"init={init:9s} new rows |e| {e['new_mean_norm']:.3f} "
               f"(old {e['old_mean_norm']:.3f}), spread {e['new_rms_spread']:.3f} "
               f"(old {e['old_rms_spread']:.3f})  -> {dst}")
-    atomic_write(summary_path, lambda t: open(t, "w").write(json.dumps(summary, indent=2)))
+    write_json(summary_path, summary)
     print(f"done in {time.time() - t0:.1f}s; summary -> {summary_path}")
-
-
-# --- Beyond the papers: an untied head for --head-init; the summary of earlier runs -------------
-def untie_head(args: Args, model, emb, head) -> bool:
-    """The head gets its own copy of the rows; the config says untied (saved, reloaded untied)."""
-    if head is None:
-        die(f"--head-init {args.head_init}: --model {args.model} has no output head to untie")
-    head.weight = torch.nn.Parameter(emb.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    if hasattr(model.config, "get_text_config"):
-        model.config.get_text_config().tie_word_embeddings = False
-    return True
-
-
-def load_summary(path: str) -> dict:
-    """03_expand_vocab.json of an earlier run (another --init); {} if there is none or it is bad."""
-    if os.path.exists(path):
-        try:
-            return json.load(open(path))
-        except Exception:
-            return {}
-    return {}
-
-
-# --------------------------------------------------------------------------------------------------
-# Helpers: the same text in every script that has them (tests/test_plumbing.py checks it);
-# no script imports another. Below main(): Python looks names up when main() runs.
-# --------------------------------------------------------------------------------------------------
-os.environ.setdefault("HF_HUB_OFFLINE", "1")            # nothing is fetched from a hub at run time
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """The CLI generated from Args: help = the docstring under each field, --flag/--no-flag for a
-    bool, choices = a Literal's values, and a bound Annotated[int, ">= 1"] checked here."""
-    body = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
-    hints = typing.get_type_hints(Args, include_extras=True)
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    bounds = {}
-    for f in dataclasses.fields(Args):
-        flag, t, kw = "--" + f.name.replace("_", "-"), hints[f.name], {"default": f.default}
-        if typing.get_origin(t) is Annotated:
-            t, bounds[f.name] = typing.get_args(t)[:2]
-        if t is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(t) is Literal:
-            kw["choices"] = typing.get_args(t)
-        else:
-            kw["type"] = t
-        p.add_argument(flag, help=f"{docs.get(f.name, '')} (default: {f.default})", **kw)
-    args = Args(**vars(p.parse_args()))
-    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
-        op, limit = bound.split()
-        v = getattr(args, name)
-        if not (v >= float(limit) if op == ">=" else v > float(limit)):
-            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
-    return args
-
-
-def pick_device(name: str) -> torch.device:
-    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line."""
-    if name == "auto":
-        mps = torch.backends.mps.is_available()
-        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name == "mps" and not torch.backends.mps.is_available():
-        die("--device mps but MPS is not available; use --device cpu")
-    return torch.device(name)
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
-    torch:  atomic_write(p, lambda t: torch.save(obj, t))
-    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (a str path would get .npy)
-    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def save_folder(dst: str, model, tok, files: dict):
-    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then
-    swapped in. Safe against a kill at any line: before the swap <dst> is whole; between the two
-    renames only <dst>.old is (the next call renames it back first); stale .tmp/.old are cleared."""
-    tmp, old = f"{dst}.tmp", f"{dst}.old"
-    if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the renames
-        os.replace(old, dst)
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    for name, text in files.items():
-        with open(os.path.join(tmp, name), "w") as f:
-            f.write(text)
-    if os.path.exists(dst):
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file
-# and what to do (`hint`: which step makes it), never a traceback.
-def load_artifact(path: str, hint: str, read):
-    if not os.path.isfile(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return read(path)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
-
-
-def load_pt(path: str, hint: str):           # tensors, lists, dicts; never pickled objects
-    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
-
-
-def load_npy(path: str, hint: str) -> np.ndarray:
-    return load_artifact(path, hint, lambda p: np.load(p, allow_pickle=False))
-
-
-def load_hf(folder: str, hint: str, dtype=torch.float32):
-    """(tokenizer, causal LM) from a Hugging Face folder (or hub name, offline: only if cached)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()                          # stderr stays one line on bad input
-    try:
-        tok = AutoTokenizer.from_pretrained(folder)
-        return tok, AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    except Exception as e:
-        why = "not found" if not os.path.exists(folder) else f"unreadable ({type(e).__name__})"
-        die(f"{folder}: {why}; {hint}")
-
-
-def items_key(ds: dict) -> str:
-    """Fingerprint of dataset.pt's items (ids and texts, in order). 03 writes it into
-    sid_vocab.json, so a model folder knows which dataset its SIDs index; 04-06 refuse another."""
-    return hashlib.sha256(json.dumps([ds["item_ids"], ds["texts"]]).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

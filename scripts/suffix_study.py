@@ -1,4 +1,4 @@
-"""Which rows for a collision-suffix level? The measurement behind 03's --centroid-scale / --suffix-rows defaults.
+"""Which rows for a collision-suffix level? The measurement behind 03's --centroid-scale default.
 
 TIGER's SIDs end with a suffix level that numbers the items sharing the first L codes (`<d_0>` for 98% of
 ML-100K's items). Its "centroids" are the mean of almost all items, so with one scale for all levels
@@ -7,9 +7,11 @@ the tied output head then does not learn that level (results/ml-100k_why.md). Tw
 against the former default, each from 03 through the first --stop-at steps of 05's default schedule
 (220 steps, validation every --eval-every steps; the same schedule as `make run` and the study):
 
-  matched          03 --centroid-scale matched --suffix-rows centroid   (the former default)
-  level            03 --centroid-scale level   --suffix-rows centroid   (each level centered and scaled alone)
-  matched+random   03 --centroid-scale matched --suffix-rows random     (the suffix level gets random rows)
+  matched          03 --centroid-scale matched   (the former default)
+  level            03 --centroid-scale level     (each level centered and scaled alone; 03's default now)
+  matched+random   03 --centroid-scale matched, the suffix level's rows drawn like random init's instead
+                   (random_suffix_rows below: 03's new_rows on the semantic levels, run in this process;
+                   formerly 03 --suffix-rows random, the same rows)
 
 Reported per config and seed: validation loss and per-level accuracy (a / b / c / d) at every
 validation, from the resume checkpoint 05 leaves at --stop-at (its `state`). Finished runs are skipped.
@@ -26,10 +28,45 @@ import time
 import torch
 
 from grounding_study import REPO, link_artifacts, sh, shared_artifacts   # same folder: the runner and the links
+from common import load_step                                              # grounding_study put REPO on sys.path
 
-CONFIGS = {"matched": ["--centroid-scale", "matched", "--suffix-rows", "centroid"],
-           "level": ["--centroid-scale", "level", "--suffix-rows", "centroid"],
-           "matched+random": ["--centroid-scale", "matched", "--suffix-rows", "random"]}
+CONFIGS = {"matched": ["--centroid-scale", "matched"],          # 03's flags per config
+           "level": ["--centroid-scale", "level"],
+           "matched+random": ["--centroid-scale", "matched"]}
+RANDOM_SUFFIX = {"matched+random"}                              # configs whose suffix rows are random_suffix_rows'
+SUFFIX_SEED = 2                                                 # --seed offset of the random suffix rows
+
+
+def random_suffix_rows(new_rows):
+    """03's new_rows, except that with init centroid or shuffled the last level's rows are drawn like random init's
+    (N(vocab mean, sigma^2), own generator) and the semantic levels get the rows 03 gives them without the suffix
+    level (centered and scaled over those levels only)."""
+    def rows(init, old, cents, scale="level", seed=0):
+        if init not in ("centroid", "shuffled"):
+            return new_rows(init, old, cents, scale, seed)
+        gen = torch.Generator().manual_seed(seed + SUFFIX_SEED)
+        tail = old.mean(0) + old.std(0) * torch.randn(len(cents[-1]), old.shape[1], generator=gen)  # (n_sfx, D)
+        return torch.cat([new_rows(init, old, cents[:-1], scale, seed), tail])
+    return rows
+
+
+def expand_vocab(out_dir, backbone, config, seed, init="centroid"):
+    """03 for one config, in this process (cwd: the repository). Its random-suffix configs swap 03's new_rows for
+    random_suffix_rows' while 03 runs, when the SIDs end with a collision suffix (02's default; 02 --collisions
+    reassign leaves no suffix level, and then the config is plain 03)."""
+    step03 = load_step("03_expand_vocab")
+    rq = torch.load(os.path.join(out_dir, "rqvae.pt"), weights_only=True)
+    suffix = rq.get("config", {}).get("collisions", "suffix") == "suffix"
+    argv = ["--out-dir", out_dir, "--model", backbone, "--init", init, "--seed", str(seed), *CONFIGS[config]]
+    print("+ 03_expand_vocab.py", " ".join(argv), "(random suffix rows)" if config in RANDOM_SUFFIX else "",
+          flush=True)
+    new_rows = step03.new_rows
+    if config in RANDOM_SUFFIX and suffix:
+        step03.new_rows = random_suffix_rows(new_rows)
+    try:
+        step03.main(argv)
+    finally:
+        step03.new_rows = new_rows
 
 
 def run_one(a, src, config, seed):
@@ -41,8 +78,7 @@ def run_one(a, src, config, seed):
     link_artifacts(src, work)
     t0 = time.time()
     base, save = os.path.join(work, "models", "centroid"), os.path.join(work, "models", "centroid+sft")
-    sh("03_expand_vocab.py", "--out-dir", work, "--model", a.backbone, "--init", "centroid", "--seed", seed,
-       *CONFIGS[config])
+    expand_vocab(work, a.backbone, config, seed)
     sh("05_sft.py", "--model", base, "--save", save, "--out-dir", work, "--eval-every", a.eval_every,
        "--stop-at", a.stop_at, "--seed", seed, "--no-resume")
     ckpt = save + ".resume.pt"
@@ -63,7 +99,8 @@ def report(a, runs) -> str:
     steps = [s for s, _, _ in runs[0]["val_curve"]]
     lines = [f"# Suffix-level rows: which 03 default (ML-100K, `python scripts/suffix_study.py`)", "",
              f"03 --init centroid, then 05's default schedule (220 steps x 8 windows, lr 1e-3, level softmax) "
-             f"stopped after step {a.stop_at}; validation on 128 users. Accuracy = argmax within each level.", "",
+             f"stopped after step {a.stop_at}; validation on 128 users. Accuracy = argmax within each level. "
+             "matched+random: the suffix level's rows drawn like random init's (`random_suffix_rows`).", "",
              "| config (03 flags) | seed | val loss at step " + " / ".join(map(str, steps))
              + f" | accuracy a / b / c / d at {steps[-1]} |", "|---|---|---|---|"]
     for r in runs:
@@ -93,6 +130,7 @@ def main():
     p.add_argument("--work-dir", default="runs/suffix")
     p.add_argument("--results-dir", default="results")
     a = p.parse_args()
+    os.chdir(REPO)                                                    # 03 runs in this process, 05 in a subprocess
     src = shared_artifacts(a.dataset)
     t0 = time.time()
     runs = [run_one(a, src, c, s) for s in a.seeds.split(",") for c in a.configs.split(",")]

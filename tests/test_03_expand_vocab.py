@@ -1,4 +1,5 @@
-"""03_expand_vocab.py: the four initializations, row placement by token id, untied heads, bad input."""
+"""03_expand_vocab.py: the four initializations, row placement by token id, untied heads, bad input;
+scripts/suffix_study.py's random suffix rows (03's new_rows on the semantic levels)."""
 import json
 import os
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import assert_one_line_error, make_synthetic_out, run
+from conftest import REPO, assert_one_line_error, load_script, make_synthetic_out, run
 
 
 def load(folder):
@@ -26,10 +27,11 @@ def centroids_in_order(out_dir):
 
 
 @pytest.fixture
-def all_inits(synthetic_out, tiny_model):
-    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "all",
-        "--centroid-map", "pad", "--centroid-scale", "plain")
-    return synthetic_out, tiny_model
+def all_inits(tmp_path, tiny_model):
+    """The four folders, centroid as Algorithm 1 (--centroid-scale plain); d = 64 >= d_model = 32: truncation."""
+    out = make_synthetic_out(str(tmp_path / "o"), d=64)
+    run("03_expand_vocab.py", "--out-dir", out, "--model", tiny_model, "--init", "all", "--centroid-scale", "plain")
+    return out, tiny_model
 
 
 def test_vocab_file_and_tokenizer_agree(all_inits):
@@ -73,13 +75,14 @@ def test_mean_matches_transformers_mean_resizing(synthetic_out, tiny_untied_mode
 
 
 def test_centroid_rows_by_token_id_and_mean_shift(all_inits):
-    """centroid (pad, plain): row of (l, k) at token_ids[l][k] = pad(c_{l,k}) - mean(pad(c)) + mean(old rows)."""
+    """Algorithm 1 exactly (--centroid-scale plain): the row of (l, k), at token_ids[l][k], is
+    c'_{l,k} - mean_{l,k}(c') + mean(old rows), c' = c truncated to the LM width (64 -> 32)."""
     out, base = all_inits
     old = AutoModelForCausalLM.from_pretrained(base).get_input_embeddings().weight.detach()
     m, v, ids = load(os.path.join(out, "models", "centroid"))
     w = m.get_input_embeddings().weight.detach()
     per_level, c = centroids_in_order(out)
-    c = torch.cat([c, torch.zeros(len(c), w.shape[1] - c.shape[1])], 1)        # zero-pad 16 -> 32
+    c = c[:, :w.shape[1]]                                                       # truncate 64 -> 32
     expect = c - c.mean(0) + old.mean(0)
     sids = np.load(os.path.join(out, "sids.npy"))
     j = 0
@@ -114,18 +117,18 @@ def test_random_rows_follow_old_statistics(all_inits):
     assert len(torch.unique(rows, dim=0)) == len(ids)
 
 
-@pytest.mark.parametrize("d,how", [(16, "orthogonal"), (64, "pad")])   # d < d_model = 32, and truncation
-def test_centroid_map_keeps_geometry_and_matched_scale(tmp_path, tiny_model, d, how):
+@pytest.mark.parametrize("d", [16, 64])   # d < d_model = 32: the orthonormal map; d >= d_model: truncation
+def test_centroid_map_keeps_geometry_and_matched_scale(tmp_path, tiny_model, d):
     out = make_synthetic_out(str(tmp_path / "o"), d=d)
     run("03_expand_vocab.py", "--out-dir", out, "--model", tiny_model, "--init", "centroid",
-        "--centroid-map", how, "--centroid-scale", "plain")
+        "--centroid-scale", "plain")
     _, c = centroids_in_order(out)
     m, _, ids = load(os.path.join(out, "models", "centroid"))
     rows = m.get_input_embeddings().weight.detach()[ids]
     ref = c[:, :32] if d >= 32 else c                     # truncation keeps the prefix; the map keeps all
     assert torch.allclose(torch.cdist(rows, rows), torch.cdist(ref, ref), atol=1e-4)
     run("03_expand_vocab.py", "--out-dir", out, "--model", tiny_model, "--init", "centroid",
-        "--centroid-map", how, "--centroid-scale", "matched")
+        "--centroid-scale", "matched")
     old = AutoModelForCausalLM.from_pretrained(tiny_model).get_input_embeddings().weight.detach()
     rows = load(os.path.join(out, "models", "centroid"))[0].get_input_embeddings().weight.detach()[ids]
     spread = lambda x: (x - x.mean(0)).pow(2).sum(1).mean().sqrt()
@@ -150,7 +153,7 @@ def test_untied_head_gets_both_matrices(synthetic_out, tiny_untied_model):
 def test_level_scale_centers_and_matches_each_level(tmp_path, tiny_model):
     out = make_synthetic_out(str(tmp_path / "o"), d=16)
     run("03_expand_vocab.py", "--out-dir", out, "--model", tiny_model, "--init", "centroid",
-        "--centroid-map", "orthogonal", "--centroid-scale", "level")
+        "--centroid-scale", "level")
     per_level, _ = centroids_in_order(out)
     m, v, _ = load(os.path.join(out, "models", "centroid"))
     old = AutoModelForCausalLM.from_pretrained(tiny_model).get_input_embeddings().weight.detach()
@@ -163,23 +166,6 @@ def test_level_scale_centers_and_matches_each_level(tmp_path, tiny_model):
             assert torch.allclose(spread(rows), spread(old), rtol=1e-4)         # each level at the vocab spread
             d_rows, d_c = torch.pdist(rows), torch.pdist(c)                     # within-level geometry kept
             assert torch.allclose(d_rows / d_rows.mean(), d_c / d_c.mean(), atol=1e-4)
-
-
-def test_head_init_unties_a_tied_head(synthetic_out, tiny_model):
-    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "centroid",
-        "--head-init", "random", "--centroid-map", "pad", "--centroid-scale", "plain")
-    m, _, ids = load(os.path.join(synthetic_out, "models", "centroid"))
-    base = AutoModelForCausalLM.from_pretrained(tiny_model).get_input_embeddings().weight.detach()
-    e, h = m.get_input_embeddings().weight.detach(), m.get_output_embeddings().weight.detach()
-    assert not m.config.tie_word_embeddings and e.data_ptr() != h.data_ptr()    # reloads untied
-    assert torch.equal(e[:len(base)], base) and torch.equal(h[:len(base)], base)  # old rows: both the base's
-    _, c = centroids_in_order(synthetic_out)
-    assert torch.allclose(torch.cdist(e[ids], e[ids]), torch.cdist(c, c), atol=1e-4)  # input: centroid rows
-    assert len(torch.unique(h[ids], dim=0)) == len(ids)                              # head: random rows
-    assert not torch.allclose(torch.cdist(h[ids], h[ids]), torch.cdist(c, c), atol=1e-2)
-    err = assert_one_line_error(run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model,
-                                    "--head-init", "zeros", check=False))
-    assert "--head-init" in err
 
 
 def test_bad_input_one_line(tmp_path, synthetic_out, tiny_model):
@@ -200,12 +186,15 @@ def test_bad_input_one_line(tmp_path, synthetic_out, tiny_model):
 
 
 @pytest.mark.parametrize("init", ["centroid", "shuffled"])
-def test_random_suffix_rows(tmp_path, tiny_model, init):
-    """--suffix-rows random: the suffix level's rows are drawn like random init's; the semantic levels are the
-    rows 03 gives without a suffix level (same centering and scale); collision-free SIDs are not touched."""
+def test_suffix_study_random_suffix_rows(tmp_path, tiny_model, monkeypatch, init):
+    """scripts/suffix_study.py's matched+random config: the suffix level's rows are drawn like random init's; the
+    semantic levels are the rows 03 gives without a suffix level (same centering and scale); collision-free SIDs
+    (02 --collisions reassign) are plain 03; 03's own new_rows is back in place afterwards."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "scripts"))           # its `from grounding_study import`
+    monkeypatch.chdir(REPO)
+    suffix_study = load_script("scripts/suffix_study.py")
     out = make_synthetic_out(str(tmp_path / "o"), d=16)
-    run("03_expand_vocab.py", "--out-dir", out, "--model", tiny_model, "--init", init,
-        "--centroid-scale", "matched", "--suffix-rows", "random")
+    suffix_study.expand_vocab(out, tiny_model, "matched+random", 0, init=init)
     per_level, _ = centroids_in_order(out)
     m, v, ids = load(os.path.join(out, "models", init))
     old = AutoModelForCausalLM.from_pretrained(tiny_model).get_input_embeddings().weight.detach()
@@ -221,19 +210,14 @@ def test_random_suffix_rows(tmp_path, tiny_model, init):
                               torch.pdist(c) / torch.pdist(c).mean(), atol=1e-4)
     assert len(tail) > 1 and len(torch.unique(tail, dim=0)) == len(tail)      # random rows: spread like the vocab's
     assert 0.5 < (tail - old.mean(0)).div(old.std(0)).std().item() < 2.0
-    assert json.load(open(os.path.join(out, "03_expand_vocab.json")))[init]["suffix_rows"] == "random"
-    # without a suffix level (02 --collisions reassign) the option changes nothing
+    step03 = suffix_study.load_step("03_expand_vocab")
+    assert step03.new_rows.__name__ == "new_rows"                            # restored
+    # without a suffix level (02 --collisions reassign) the config is plain 03 --centroid-scale matched
     rq = torch.load(os.path.join(out, "rqvae.pt"), weights_only=True)
     torch.save(rq | {"config": rq["config"] | {"collisions": "reassign"}}, os.path.join(out, "rqvae.pt"))
     rows = {}
-    for how in ("centroid", "random"):
-        run("03_expand_vocab.py", "--out-dir", out, "--model", tiny_model, "--init", init, "--suffix-rows", how)
-        rows[how] = load(os.path.join(out, "models", init))[0].get_input_embeddings().weight.detach()[ids]
-    assert torch.equal(rows["centroid"], rows["random"])
-
-
-def test_missing_rqvae_is_one_line(synthetic_out, tiny_model):
-    os.remove(os.path.join(synthetic_out, "rqvae.pt"))
-    r = run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "centroid", check=False)
-    assert_one_line_error(r)
-    assert "rqvae.pt" in r.stderr and "02_rqvae.py" in r.stderr
+    for config in ("matched+random", "matched"):
+        suffix_study.expand_vocab(out, tiny_model, config, 0, init=init)
+        rows[config] = load(os.path.join(out, "models", init))[0].get_input_embeddings().weight.detach()[ids]
+    assert torch.equal(rows["matched+random"], rows["matched"])
+    assert not torch.equal(rows["matched"][-len(tail):], tail)                # and with one, the suffix rows differ
