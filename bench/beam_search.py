@@ -4,8 +4,8 @@ MiniOneRec decode; history kept, log-softmax over the whole vocabulary as genera
 forward passes any such search needs (the "forward floor": one prefill per
 user, the cache copied to the B beams, then one forward per later SID level over users x beams).
 
-Then 06's certified-exact search (--search exact), and how often the top-K of a beam of width K (and of a
-wider beam, --wide) is the exact top-K.
+Then the certified-exact search (bench/exact_search.py, 06's former --search exact), and how often the top-K
+of a beam of width K (and of a wider beam, --wide) is the exact top-K.
 
 Same model, same prompts (06's template over the test histories), same batches of users. Prints the
 times, whether the top-K lists agree (up to exact score ties), and a last line
@@ -16,8 +16,7 @@ CPU:  python bench/beam_search.py --model out/ml-100k/models/centroid --users 16
 GPU:  python bench/beam_search.py --model out/ml-100k/models/centroid --users 256 --beam 20 --device cuda \
           --batch-size 64
 """
-import dataclasses
-import importlib.util
+import argparse
 import math
 import os
 import sys
@@ -27,45 +26,49 @@ import numpy as np
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
-ev = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ev)                  # reuse 06's loader, prompts, trie and search (not a numbered step)
+sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Parser, load_sid_model, load_step, nonneg_int, pick_autocast, pick_device, pos_int  # noqa: E402
+from exact_search import rank_exact  # noqa: E402
 from flops import body_params, gflops, matmul_flops  # noqa: E402
 
-
-@dataclasses.dataclass
-class Args:
-    model: str = "out/ml-100k/models/centroid"
-    """a model folder with SID tokens (03/04/05 output)"""
-    out_dir: str = ""
-    """artifacts folder (default: two levels above --model)"""
-    users: int = 16
-    """the first N users (test split histories)"""
-    beam: int = 20
-    """beam width = top-K"""
-    batch_size: int = 16
-    """users per batch, for all three methods"""
-    generate: bool = True
-    """also time model.generate (slow: it runs every prompt once per beam)"""
-    device: str = "cpu"
-    """cpu | cuda | mps | auto"""
-    dtype: str = "float32"
-    """float32 | auto | bfloat16 (autocast of the LM body; 06's rule)"""
-    wide: int = 80
-    """a wider beam whose top-K is also compared with the exact top-K"""
-    repeats: int = 2
-    """time ours and the floor this many times (interleaved) and keep the fastest"""
-    exact_first: int = 0
-    """width of the exact search's first round (0: 06's default, 4 x beam)"""
-    softmax: str = "full"
-    """full (over the vocabulary, as generate() scores) | sid | level: the normalization our searches use;
-    generate() is only compared under full"""
-    max_history: int = 20
-    """history items in the prompt (sft_config.json's value when present)"""
+ev = load_step("06_eval")                     # 06's prompts, trie, scorer and search (not a numbered step)
 
 
-ev.Args = Args                                # 06's CLI builder reads the fields and docstrings of ev.Args
+def parse_args(argv=None):
+    p = Parser(__doc__)
+    p.add_argument("--model", default="out/ml-100k/models/centroid", help="a model folder with SID tokens (03/04/05)")
+    p.add_argument("--out-dir", default="", help="artifacts folder ('': two levels above --model)")
+    p.add_argument("--users", type=pos_int, default=16, help="the first N users (test split histories)")
+    p.add_argument("--beam", type=pos_int, default=20, help="beam width = top-K")
+    p.add_argument("--batch-size", type=pos_int, default=16, help="users per batch, for all three methods")
+    p.add_argument("--generate", default=True, action=argparse.BooleanOptionalAction,
+                   help="also time model.generate (slow: it runs every prompt once per beam)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps", "auto"], help="auto = cuda, mps, cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "auto", "bfloat16"],
+                   help="autocast of the LM body (06's rule)")
+    p.add_argument("--wide", type=pos_int, default=80, help="a wider beam whose top-K is also compared with the exact")
+    p.add_argument("--repeats", type=pos_int, default=2,
+                   help="time ours and the floor this many times (interleaved) and keep the fastest")
+    p.add_argument("--exact-first", type=nonneg_int, default=0,
+                   help="width of the exact search's first round (0: its default, 4 x beam)")
+    p.add_argument("--softmax", default="full", choices=["full", "level"],
+                   help="the normalization our searches use: full (over the vocabulary, as generate() scores) | "
+                        "level; generate() is only compared under full")
+    p.add_argument("--max-history", type=pos_int, default=20,
+                   help="history items in the prompt (sft_config.json's value when present)")
+    return p.parse_args(argv)
+
+
+def left_pad(prompts, pad_id, device):
+    """Token-id lists -> left-padded ids (B, P) and attention mask (B, P), as 06's prefill pads them."""
+    P = max(map(len, prompts))
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = torch.tensor(p)
+        mask[b, P - len(p):] = 1
+    return ids.to(device), mask.to(device)
 
 
 @torch.no_grad()
@@ -73,7 +76,7 @@ def forward_floor(model, prompts, levels, beam, pad_id, batch_size):
     """The forward passes alone: prefill once, copy the cache to the beams, one step per later level."""
     order = sorted(range(len(prompts)), key=lambda u: len(prompts[u]))
     for s in range(0, len(order), batch_size):
-        ids, mask = ev.left_pad([prompts[u] for u in order[s:s + batch_size]], pad_id, model.device)
+        ids, mask = left_pad([prompts[u] for u in order[s:s + batch_size]], pad_id, model.device)
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
         cache, first = out.cache, mask.sum(1, keepdim=True).repeat_interleave(beam, 0)
@@ -99,7 +102,7 @@ def hf_generate(model, prompts, item_tok, beam, pad_id, batch_size):
     scores = torch.full((len(prompts), beam), -math.inf)
     for s in range(0, len(prompts), batch_size):
         us = list(range(s, min(s + batch_size, len(prompts))))
-        ids, mask = ev.left_pad([prompts[u] for u in us], pad_id, model.device)
+        ids, mask = left_pad([prompts[u] for u in us], pad_id, model.device)
         P = ids.shape[1]
         fn = lambda b, x: children.get(tuple(x[P:].tolist()), [pad_id])  # noqa: E731
         out = model.generate(input_ids=ids, attention_mask=mask, num_beams=beam, num_return_sequences=beam,
@@ -148,17 +151,15 @@ def agreement(a_items, a_scores, b_items, b_scores, tol=1e-4):
 
 
 def main():
-    args = ev.parse_args()
-    device = ev.pick_device(args.device)
-    ctx, dtype_note = ev.pick_autocast(args.dtype, device)
+    args = parse_args()
+    device = pick_device(args.device)
+    ctx, dtype_note = pick_autocast(args.dtype, device)
     torch.manual_seed(0)
     out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
-    model, tok, vocab, data, sids, item_tok, cfg = ev.load_sid_model(args.model, out_dir, device)
+    model, tok, vocab, data, sids, item_tok, cfg = load_sid_model(args.model, out_dir, device)
     seqs = data["sequences"][:args.users]
     prompts = ev.build_prompts(tok, cfg.get("template", ev.DEFAULT_TEMPLATE), item_tok, [s[:-1] for s in seqs],
                                cfg.get("max_history", args.max_history))
-    if args.softmax not in ("full", "sid", "level"):
-        ev.die(f"--softmax {args.softmax!r}: use full | sid | level")
     scorer = ev.LevelScorer(model, vocab["token_ids"], args.softmax)   # generate() normalizes over the vocabulary
     nxt = ev.build_trie(sids, [len(t) for t in vocab["token_ids"]])
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -186,7 +187,7 @@ def main():
     print(f"forward floor               {t_floor:8.2f} s   {1000 * t_floor / len(prompts):7.1f} ms/user")
     body, (V, d) = body_params(model), model.get_output_embeddings().weight.shape
     sizes = [len(t) for t in vocab["token_ids"]]
-    cols = {"full": [V] * L, "sid": [sum(sizes)] * L, "level": sizes}[args.softmax]
+    cols = {"full": [V] * L, "level": sizes}[args.softmax]
     f_ours = search_flops(prompts, args.batch_size, args.beam, body, d, cols)
     f_floor = search_flops(prompts, args.batch_size, args.beam, body, d, [V] * L)   # floor: full head
     peak = matmul_flops(device, ctx)
@@ -194,9 +195,9 @@ def main():
           f"({f_ours / t_ours / peak:.0%}), floor {gflops(f_floor / t_floor)} ({f_floor / t_floor / peak:.0%}) "
           f"of a 2048^3 matmul's {gflops(peak)} ({dtype_note})")
 
-    # exact top-K (06 --search exact) and how many beam lists it confirms, at width K and a wider beam
-    t_exact, [(x_items, x_scores, x_width)] = timed(lambda: ev.rank_all(
-        model, prompts, scorer, nxt, args.beam, pad, args.batch_size, ctx=ctx, progress=False, search="exact",
+    # exact top-K (bench/exact_search.py) and how many beam lists it confirms, at width K and a wider beam
+    t_exact, [(x_items, x_scores, x_width)] = timed(lambda: rank_exact(
+        model, prompts, scorer, nxt, args.beam, pad, args.batch_size, ctx=ctx, progress=False,
         first_width=args.exact_first))
     widths = dict(zip(*[v.tolist() for v in x_width.unique(return_counts=True)]))
     print(f"exact top-{args.beam} (certified)    {t_exact:8.2f} s   {1000 * t_exact / len(prompts):7.1f} ms/user   "

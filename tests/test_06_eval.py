@@ -1,4 +1,5 @@
-"""06_eval.py: beam search == brute force, only valid SIDs, metrics by hand, bad input, end-to-end run."""
+"""06_eval.py: beam search == brute force, only valid SIDs, metrics by hand, bad input, end-to-end run;
+bench/exact_search.py: the certified-exact search == brute force; bench/beam_search.py runs."""
 import json
 import math
 import os
@@ -7,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from common import load_sid_model
 from conftest import load_script, REPO, assert_one_line_error, make_synthetic_out, make_tiny_model, run
 from sid_model import make_sid_model
 
@@ -21,18 +23,18 @@ def sid_setup(tmp_path_factory):
 
 
 def prepared(ev, out, model_dir, users=8, softmax="full"):
-    model, tok, vocab, data, sids, item_tok, _ = ev.load_sid_model(model_dir, out, torch.device("cpu"))
+    model, tok, vocab, data, sids, item_tok, _ = load_sid_model(model_dir, out, torch.device("cpu"))
     histories = [s[:-1] for s in data["sequences"][:users]]
     prompts = ev.build_prompts(tok, ev.DEFAULT_TEMPLATE, item_tok, histories, 20)
     scorer = ev.LevelScorer(model, vocab["token_ids"], softmax)
     nxt = ev.build_trie(sids, [len(t) for t in vocab["token_ids"]])
-    return model, tok, item_tok, prompts, scorer, nxt, histories, ev.trie_paths(sids, nxt), vocab
+    return model, tok, item_tok, prompts, scorer, nxt, histories, sids, vocab
 
 
 @torch.no_grad()
 def brute_force(model, prompt, item_tok, vocab=None, softmax="full"):
     """Score every item: sum of the model's log-probs of its SID tokens after the prompt (no cache, no pad),
-    normalized over the vocabulary, over all SID tokens, or over the token's level (by hand)."""
+    normalized over the vocabulary, or over the token's level (by hand)."""
     n, L = item_tok.shape
     seq = torch.cat([torch.tensor(prompt).expand(n, -1), item_tok], 1)       # (N, P+L)
     logits = model(input_ids=seq).logits[:, -L - 1:-1].float()              # (N, L, V)
@@ -42,26 +44,25 @@ def brute_force(model, prompt, item_tok, vocab=None, softmax="full"):
         levels = [[t for t in lvl if t >= 0] for lvl in vocab["token_ids"]]
         logp = torch.full_like(logits, -float("inf"))
         for l in range(L):
-            cols = levels[l] if softmax == "level" else [t for lvl in levels for t in lvl]
-            logp[:, l, cols] = logits[:, l, cols].log_softmax(-1)
+            logp[:, l, levels[l]] = logits[:, l, levels[l]].log_softmax(-1)
     return logp.gather(2, item_tok[..., None]).squeeze(-1).sum(1)            # (N,)
 
 
-@pytest.mark.parametrize("softmax", ["full", "sid", "level"])
+@pytest.mark.parametrize("softmax", ["full", "level"])
 def test_beam_search_equals_brute_force(sid_setup, softmax):
     ev = load_script("06_eval.py")
     out, _, model_dir = sid_setup
-    model, tok, item_tok, prompts, scorer, nxt, histories, paths, vocab = prepared(ev, out, model_dir,
-                                                                                    softmax=softmax)
+    model, tok, item_tok, prompts, scorer, nxt, histories, sids, vocab = prepared(ev, out, model_dir,
+                                                                                   softmax=softmax)
     n = item_tok.shape[0]
     # prompts of different lengths in one batch: left padding must not change any score
     assert len({len(p) for p in prompts}) > 1
     items, scores = ev.beam_search(model, prompts, scorer, nxt, beam=n, pad_id=tok.eos_token_id)
     # both protocols from one prefill (a copied cache) = two separate searches
-    both = ev.rank_all(model, prompts, scorer, nxt, 5, tok.eos_token_id, 8, histories, paths, (True, False),
+    both = ev.rank_all(model, prompts, scorer, nxt, 5, tok.eos_token_id, 8, histories, sids, (True, False),
                        progress=False)
     for exclude, (it, sc, _) in zip((True, False), both):
-        one = ev.rank_all(model, prompts, scorer, nxt, 5, tok.eos_token_id, 8, histories, paths, (exclude,),
+        one = ev.rank_all(model, prompts, scorer, nxt, 5, tok.eos_token_id, 8, histories, sids, (exclude,),
                           progress=False)[0]
         assert torch.equal(it, one[0]) and torch.equal(sc, one[1])
     for b, p in enumerate(prompts):
@@ -74,13 +75,13 @@ def test_beam_search_equals_brute_force(sid_setup, softmax):
 
 @pytest.mark.parametrize("softmax", ["full", "level"])
 def test_exact_search_equals_brute_force_with_ties(sid_setup, softmax):
-    """--search exact returns brute force's top-k (score, then item index) for every user, under both
+    """bench/exact_search.py returns brute force's top-k (score, then item index) for every user, under both
     protocols, with exact score ties at the list boundary; a beam list certified exact is never wrong, and
     some beam lists are not certified (so the check has something to catch)."""
-    ev = load_script("06_eval.py")
+    ev, ex = load_script("06_eval.py"), load_script("bench/exact_search.py")
     out, _, model_dir = sid_setup
-    model, tok, item_tok, prompts, scorer, nxt, histories, paths, vocab = prepared(ev, out, model_dir, users=16,
-                                                                                    softmax=softmax)
+    model, tok, item_tok, prompts, scorer, nxt, histories, sids, vocab = prepared(ev, out, model_dir, users=16,
+                                                                                   softmax=softmax)
     emb = model.get_input_embeddings().weight                        # tied with the head
     sid = [t for lvl in vocab["token_ids"] for t in lvl if t >= 0]
     lvl = [t for t in vocab["token_ids"][2] if t >= 0]
@@ -90,10 +91,10 @@ def test_exact_search_equals_brute_force_with_ties(sid_setup, softmax):
     n, k = item_tok.shape[0], 5
     ties = 0
     for exclude in (False, True):
-        ex_items, ex_scores, ex_width = ev.rank_all(model, prompts, scorer, nxt, k, tok.eos_token_id, 4, histories,
-                                                    paths, (exclude,), progress=False, search="exact")[0]
+        ex_items, ex_scores, ex_width = ex.rank_exact(model, prompts, scorer, nxt, k, tok.eos_token_id, 4, histories,
+                                                      sids, (exclude,), progress=False)[0]
         bm_items, bm_scores, bm_width = ev.rank_all(model, prompts, scorer, nxt, k, tok.eos_token_id, 4, histories,
-                                                    paths, (exclude,), progress=False, search="beam")[0]
+                                                    sids, (exclude,), progress=False)[0]
         assert (ex_width >= k).all() and set(bm_width.tolist()) <= {0, k}
         assert (bm_width == 0).any()                                  # beam search misses items here
         for u, p in enumerate(prompts):
@@ -111,11 +112,11 @@ def test_exact_search_equals_brute_force_with_ties(sid_setup, softmax):
 
 
 def test_certificate_by_hand():
-    ev = load_script("06_eval.py")
+    ev, ex = load_script("06_eval.py"), load_script("bench/exact_search.py")
     scores = torch.tensor([[-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0], [-1.0, -math.inf]])
     bound = torch.tensor([-2.5, -2.0, -1.5, -math.inf])
     # 2nd best beats the best pruned: exact; a pruned tie or better: not; nothing pruned: exact
-    assert ev.certified(scores, bound, 2).tolist() == [True, False, False, True]
+    assert ex.certified(scores, bound, 2).tolist() == [True, False, False, True]
     items, s = ev.by_score_then_index(torch.tensor([[4, 2, 7, -1]]), torch.tensor([[-1.0, -1.0, -0.5, -math.inf]]))
     assert items.tolist() == [[7, 2, 4, -1]] and s.tolist() == [[-0.5, -1.0, -1.0, -math.inf]]
 
@@ -127,10 +128,10 @@ def test_history_exclusion_inside_the_search(sid_setup):
     ev = load_script("06_eval.py")
     out, _, model_dir = sid_setup
     data = torch.load(os.path.join(out, "dataset.pt"), weights_only=True)
-    model, tok, item_tok, prompts, scorer, nxt, histories, paths, _ = prepared(ev, out, model_dir, users=12)
+    model, tok, item_tok, prompts, scorer, nxt, histories, sids, _ = prepared(ev, out, model_dir, users=12)
     n = item_tok.shape[0]
     for beam in (n, 5, 1):
-        items, scores, _ = ev.rank_all(model, prompts, scorer, nxt, beam, tok.eos_token_id, 4, histories, paths,
+        items, scores, _ = ev.rank_all(model, prompts, scorer, nxt, beam, tok.eos_token_id, 4, histories, sids,
                                        (True,), progress=False)[0]
         for u, h in enumerate(histories):
             unseen = sorted(set(range(n)) - set(h))
@@ -143,7 +144,7 @@ def test_history_exclusion_inside_the_search(sid_setup):
                 target = int(data["test"][u])
                 if target not in h:
                     assert target in got                                           # never dropped
-    masks = ev.unseen_masks(paths, [[0, 1, 2], []])
+    masks = ev.unseen_masks(sids, nxt, [[0, 1, 2], []])
     assert not masks[-1][0, :3].any() and masks[-1][0, 3:].all() and masks[-1][1].all()
 
 
@@ -230,6 +231,31 @@ def test_eval_end_to_end_and_bad_input(sid_setup, tmp_path):
     other = make_synthetic_out(str(tmp_path / "other"), seed=1)
     err = assert_one_line_error(run("06_eval.py", "--model", model_dir, "--out-dir", other, check=False))
     assert "03_expand_vocab.py" in err
+    # a folder trained with 05's former "sid" softmax (over all SID tokens), which 06 no longer scores
+    old = str(tmp_path / "sid_softmax")
+    shutil.copytree(model_dir, old)
+    json.dump({"softmax": "sid"}, open(os.path.join(old, "sft_config.json"), "w"))
+    err = assert_one_line_error(run("06_eval.py", "--model", old, "--out-dir", out, check=False))
+    assert "softmax 'sid'" in err and "full | level" in err
+    for bad in (["--beam", "0"], ["--protocol", "all"], ["--users", "-1"]):
+        assert "--help" in assert_one_line_error(run("06_eval.py", "--model", model_dir, *bad, check=False))
+
+
+def test_exact_search_script_writes_what_06_writes(sid_setup):
+    """bench/exact_search.py (06's former --search exact): eval_<split>_exact[_keep].json with 06's fields,
+    every list certified exact, and the ranked lists beside them."""
+    out, _, model_dir = sid_setup
+    run("06_eval.py", "--model", model_dir, "--beam", "5", "--users", "8", "--split", "valid")
+    r = run("bench/exact_search.py", "--model", model_dir, "--beam", "5", "--users", "8", "--split", "valid",
+            "--batch-size", "3")
+    assert "lists certified exact: 8/8" in r.stdout
+    for keep in ("", "_keep"):
+        beam = json.load(open(os.path.join(model_dir, f"eval_valid{keep}.json")))
+        exact = json.load(open(os.path.join(model_dir, f"eval_valid_exact{keep}.json")))
+        topk = np.load(os.path.join(model_dir, f"eval_valid_exact{keep}_topk.npy"))
+        assert list(exact) == list(beam) and exact["search"] == "exact" and beam["search"] == "beam"
+        assert exact["certified_exact_share"] == 1.0 and exact["protocol"] == beam["protocol"]
+        assert topk.shape == (8, 5) and ((topk >= 0) & (topk < 60)).all()
 
 
 def test_bench_agrees_with_generate(sid_setup):
