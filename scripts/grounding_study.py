@@ -4,8 +4,9 @@ At lr 1e-2, Adam moves each coordinate of a new row by up to ~lr per step: for p
 (spread ~0.1-1 per coordinate after the mean shift) that is the whole spread within a few steps, so
 "grounding erodes centroid geometry" and "the step is too large" cannot be told apart. This script grounds
 the centroid rows at several learning rates, at both centroid scales (plain = the paper's mean shift only,
-matched = scaled to the vocabulary's spread), with the loss averaged over tokens or per direction
-(04 --loss-average), then measures after grounding:
+matched = scaled to the vocabulary's spread), with the loss averaged over tokens (04's loss) or per
+direction (directions_loss below, run through 04 in this process; formerly 04 --loss-average
+directions), then measures after grounding:
   held-out text->SID accuracy per level (04_ground.json, argmax within each level's tokens),
   RSA of the rows to the item-space centroids and purity@10 of the items' mean SID rows (07).
 
@@ -23,7 +24,12 @@ import subprocess
 import sys
 import time
 
+import torch
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from common import load_step  # noqa: E402  (after the path: common.py is at the repository root)
+
 ARTIFACTS = ("dataset.pt", "item_emb.npy", "sids.npy", "centroids.pt", "rqvae.pt")
 
 
@@ -50,6 +56,33 @@ def link_artifacts(src: str, work: str):
             os.symlink(os.path.join(src, f), os.path.join(work, f))
 
 
+def directions_loss(new_ids: torch.Tensor):
+    """A loss for 04's loop: the text->SID mean NLL and the SID->text mean NLL, averaged (an absent direction drops
+    out), so 4 SID tokens weigh like a ~18-token title. Text->SID targets are the SID tokens (new_ids); SID->text
+    targets are text tokens and eos."""
+    def loss(logits, y):
+        nll = torch.nn.functional.cross_entropy(logits, y, reduction="none")                    # (M,)
+        is_t2s = torch.isin(y, new_ids.to(y.device))                                          # (M,)
+        parts = [nll[m].mean() for m in (is_t2s, ~is_t2s) if m.any()]
+        return sum(parts) / len(parts)
+    return loss
+
+
+def ground_04(argv, average: str, model: str):
+    """04 with these flags, in this process (cwd: the repository); average "directions" swaps 04's
+    grounding_loss for directions_loss while it runs."""
+    print("+ 04_ground.py", " ".join(map(str, argv)), f"(loss averaged over {average})", flush=True)
+    step04 = load_step("04_ground")
+    tokens_loss = step04.grounding_loss
+    if average == "directions":
+        vocab = json.load(open(os.path.join(model, "sid_vocab.json")))
+        step04.grounding_loss = directions_loss(torch.tensor([t for lvl in vocab["token_ids"] for t in lvl if t >= 0]))
+    try:
+        step04.main([str(x) for x in argv])
+    finally:
+        step04.grounding_loss = tokens_loss
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="ml-100k")
@@ -60,6 +93,7 @@ def main():
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--work-dir", default="runs/grounding")
     a = p.parse_args()
+    os.chdir(REPO)                                                     # 04 runs in this process, 03 and 07 in subprocesses
     src = shared_artifacts(a.dataset)
     t0, rows = time.time(), []
     for scale in a.scales.split(","):
@@ -74,8 +108,8 @@ def main():
             for avg in a.averages.split(","):
                 name = f"centroid+gti_lr{lr}_{avg}"
                 if not os.path.exists(os.path.join(work, "models", name, "04_ground.json")):
-                    sh("04_ground.py", "--out-dir", work, "--model", base, "--save", os.path.join(work, "models", name),
-                       "--steps", a.steps, "--lr", lr, "--loss-average", avg)
+                    ground_04(["--out-dir", work, "--model", base, "--save", os.path.join(work, "models", name),
+                               "--steps", a.steps, "--lr", lr], avg, base)
         names += sorted(n for n in os.listdir(os.path.join(work, "models"))           # every grounded folder so far
                         if n.startswith("centroid+gti_lr") and os.path.exists(os.path.join(work, "models", n, "04_ground.json")))
         sh("07_diagnose.py", "--out-dir", work, "--models", ",".join(names))
@@ -88,7 +122,8 @@ def main():
             ground = json.load(open(g)) if os.path.exists(g) else before
             lv = diag[name]["levels"]
             rows.append({"scale": scale, "model": name,
-                         "lr": ground.get("args", {}).get("lr"), "average": ground.get("args", {}).get("loss_average"),
+                         "lr": ground.get("args", {}).get("lr"),
+                         "average": name.rsplit("_", 1)[1] if name != "centroid" else None,   # centroid+gti_lr<lr>_<avg>
                          "held_out_acc_in_level": (ground.get("after") or ground.get("before") or {}).get(
                              "held_out", {}).get("acc_in_level"),
                          "rsa_centroids": {k: round(v["rsa_centroids"], 3) for k, v in lv.items()

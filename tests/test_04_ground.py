@@ -2,7 +2,6 @@
 import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
@@ -87,19 +86,20 @@ def test_only_new_rows_move_and_folder_reloads(synthetic_out, tiny_model, tiny_u
     assert len(rep["before"]["held_out"]["acc"]) == len(rep["after"]["held_out"]["acc"]) == v["num_levels"]
 
 
-def test_loss_average_tokens_or_directions():
-    """tokens: one mean over all target tokens; directions: the text->SID mean and the SID->text mean,
-    averaged (by hand on 2 SID tokens with high NLL and 6 text tokens with low NLL)."""
+def test_grounding_loss_tokens_and_the_studys_directions():
+    """04: one mean over all target tokens; scripts/grounding_study.py's directions_loss: the text->SID mean (targets
+    that are SID tokens) and the SID->text mean, averaged (by hand on 2 SID tokens with high NLL, 6 text tokens)."""
     g = load_script("04_ground.py")
-    nll = torch.tensor([1.0, 3.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5])
-    logits = torch.stack([torch.tensor([v, 0.0]) for v in nll])       # two classes, target 1: NLL grows with v
-    y = torch.ones(8, dtype=torch.long)
+    study = load_script("scripts/grounding_study.py")
+    logits = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    logits[:2, 10:] -= 4.0                                           # the SID targets: high NLL
+    y = torch.tensor([10, 11, 0, 1, 2, 3, 4, 5])                     # tokens 10, 11 are the new (SID) tokens
     per = torch.nn.functional.cross_entropy(logits, y, reduction="none")
-    is_t2s = torch.tensor([True, True] + [False] * 6)
-    assert g.grounding_loss(logits, y, is_t2s, "tokens").item() == pytest.approx(per.mean().item())
+    assert g.grounding_loss(logits, y).item() == pytest.approx(per.mean().item())
+    directions = study.directions_loss(torch.tensor([10, 11]))
     want = 0.5 * (per[:2].mean() + per[2:].mean())
-    assert g.grounding_loss(logits, y, is_t2s, "directions").item() == pytest.approx(want.item())
-    assert g.grounding_loss(logits[2:], y[2:], is_t2s[2:], "directions").item() == pytest.approx(per[2:].mean().item())
+    assert directions(logits, y).item() == pytest.approx(want.item())
+    assert directions(logits[2:], y[2:]).item() == pytest.approx(per[2:].mean().item())   # one direction only
     assert want > per.mean()                                         # the short SID side now weighs more
 
 
@@ -107,7 +107,7 @@ def test_grounding_loss_falls(synthetic_out, tiny_model):
     run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "random")
     src = os.path.join(synthetic_out, "models", "random")
     run("04_ground.py", "--out-dir", synthetic_out, "--model", src, "--steps", 30, "--batch-size", 16,
-        "--lr", 1e-2, "--log-every", 5, "--max-eval", 8, "--holdout-frac", 0.0, "--loss-average", "directions")
+        "--lr", 1e-2, "--log-every", 5, "--max-eval", 8, "--holdout-frac", 0.0)
     curve = json.load(open(os.path.join(src + "+gti", "04_ground.json")))["loss_curve"]
     assert curve[-1]["loss"] < curve[0]["loss"] - 0.3, curve
     assert curve[-1]["t2s_acc"] > curve[0]["t2s_acc"], curve
@@ -130,20 +130,21 @@ def test_bad_input_one_line(tmp_path, synthetic_out, tiny_model):
     assert "--steps" in err
 
 
-def test_cpt_trains_every_parameter_and_saves_the_chosen_epochs(synthetic_out, tiny_model):
+def test_cpt_trains_every_parameter_and_saves_every_epoch(synthetic_out, tiny_model):
     """--train all: every parameter tensor moves, the loss falls, an epoch is one pass over the pairs,
-    and --save-epochs leaves normal model folders (+cpt1, and the last epoch as --save)."""
+    and every epoch leaves a normal model folder (+cpt1, +cpt2, and the last epoch as --save)."""
     run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "centroid")
     src = os.path.join(synthetic_out, "models", "centroid")
     r = run("04_ground.py", "--out-dir", synthetic_out, "--model", src, "--train", "all", "--epochs", 3,
-            "--save-epochs", "1,3", "--batch-size", 8, "--lr", 3e-3, "--warmup", 2, "--log-every", 2,
+            "--batch-size", 8, "--lr", 3e-3, "--warmup", 2, "--log-every", 2,
             "--max-eval", 8, "--holdout-frac", 0.0)
     rep = json.load(open(os.path.join(src + "+cpt3", "04_ground.json")))
     per_epoch = 2 * rep["items_grounded"] // 8                      # two pairs per item, 8 a step
     assert rep["args"]["steps"] == 3 * per_epoch and rep["args"]["lr"] == 3e-3
-    mid = json.load(open(os.path.join(src + "+cpt1", "04_ground.json")))
-    assert mid["epoch"] == 1 and mid["step"] == per_epoch and "epoch 1: saved" in r.stdout
-    assert not os.path.exists(src + "+cpt2")
+    for e in (1, 2):
+        mid = json.load(open(os.path.join(src + f"+cpt{e}", "04_ground.json")))
+        assert mid["epoch"] == e and mid["step"] == e * per_epoch and f"epoch {e}: saved" in r.stdout
+    assert "epoch 3: saved" not in r.stdout and not os.path.exists(src + "+cpt3.resume.pt")
     before, after = params(src), params(src + "+cpt3")
     assert all(not torch.equal(before[n], after[n]) for n in before), [n for n in before if torch.equal(before[n], after[n])]
     assert not torch.equal(params(src + "+cpt1")["model.norm.weight"], after["model.norm.weight"])
@@ -158,10 +159,11 @@ def test_cpt_trains_every_parameter_and_saves_the_chosen_epochs(synthetic_out, t
         "--save", src + "+one")
     one, mid_w = params(src + "+one"), params(src + "+cpt1")
     assert all(torch.equal(one[n], mid_w[n]) for n in one)
-    for flag in (["--train", "all", "--epochs", 2, "--save-epochs", "3"], ["--train", "all", "--epochs", 2, "--save-epochs", "one"],
-                 ["--epochs", 2, "--save-epochs", "1"]):
-        err = assert_one_line_error(run("04_ground.py", "--out-dir", synthetic_out, "--model", src, *flag, check=False))
-        assert "--save-epochs" in err
+    # GTI (--train rows) counted in epochs, and CPT counted in --steps, save no epoch folders
+    for flags in (["--epochs", 2, "--save", src + "+rows"], ["--train", "all", "--steps", 2 * per_epoch, "--save", src + "+steps"]):
+        r = run("04_ground.py", "--out-dir", synthetic_out, "--model", src + "+one", "--batch-size", 8, "--max-eval", 8, *flags)
+        assert "saved" not in r.stdout and not os.path.exists(src + "+one+cpt1"), flags
+    assert not any("resume" in f for f in os.listdir(os.path.dirname(src)))
 
 
 class Killed(Exception):
@@ -176,13 +178,12 @@ def test_cpt_resumes_from_a_saved_epoch(synthetic_out, tiny_model, tmp_path, mon
     ref, killed = (os.path.join(tmp_path, n) for n in ("ref", "killed"))
     for dst in (ref, killed):
         shutil.copytree(os.path.join(synthetic_out, "models", "random"), dst)
-    flags = ["--out-dir", synthetic_out, "--train", "all", "--epochs", "3", "--save-epochs", "1,2",
+    flags = ["--out-dir", synthetic_out, "--train", "all", "--epochs", "3",
              "--batch-size", "8", "--lr", "3e-3", "--warmup", "2", "--log-every", "3", "--max-eval", "8",
              "--device", "cpu"]                                  # 13 steps an epoch: it ends inside a log interval
 
     def main(model, *extra, kill_at=None):
         mod = load_script("04_ground.py")
-        monkeypatch.setitem(sys.modules, mod.__name__, mod)    # parse_args reads Args' source
         if kill_at:
             def save_folder(dst, *a):
                 if dst.endswith(kill_at):
@@ -190,8 +191,7 @@ def test_cpt_resumes_from_a_saved_epoch(synthetic_out, tiny_model, tmp_path, mon
                 real(dst, *a)
             real = mod.save_folder
             monkeypatch.setattr(mod, "save_folder", save_folder)
-        monkeypatch.setattr(sys, "argv", ["04_ground.py", "--model", model, *flags, *extra])
-        mod.main()
+        mod.main(["--model", model, *flags, *extra])
 
     main(ref)
     assert not os.path.exists(ref + "+cpt3.resume.pt")          # a finished run removes it
