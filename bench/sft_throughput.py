@@ -13,8 +13,6 @@ as a share of a 2048^3 matmul's in the same dtype, timed in the same run; last l
 CPU:  python bench/sft_throughput.py --model out/ml-100k/models/centroid+gti
 GPU:  python bench/sft_throughput.py --model out/ml-100k/models/centroid+gti --device cuda --batch 64 --prompt-batch 128
 """
-import dataclasses
-import importlib.util
 import os
 import sys
 import time
@@ -22,59 +20,51 @@ import time
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("sft05", os.path.join(REPO, "05_sft.py"))
-sft = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sft)                 # reuse 05's loader, examples, collate and loss (not a numbered step)
+sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Parser, load_sid_model, load_step, pick_autocast, pick_device, pos_int  # noqa: E402
 from flops import body_params, gflops, matmul_flops  # noqa: E402
 
-
-@dataclasses.dataclass
-class Args:
-    model: str = "out/ml-100k/models/centroid+gti"
-    """a model folder with SID tokens (03/04 output)"""
-    out_dir: str = ""
-    """artifacts folder (default: two levels above --model)"""
-    batch: int = 8
-    """sequence windows per step (05's default --batch-size)"""
-    prompt_batch: int = 16
-    """instruction rows per step for the prompt objective (the LC-Rec / GTI instruction format)"""
-    steps: int = 3
-    """timed steps per configuration (after one warm-up step)"""
-    max_history: int = 20
-    """history items (05's default)"""
-    device: str = "cpu"
-    """cpu | cuda | auto"""
+sft = load_step("05_sft")                     # reuse 05's examples, rows, collate and loss (not a numbered step)
 
 
-sft.Args = Args                               # 05's CLI builder reads the fields and docstrings of sft.Args
+def parse_args(argv=None):
+    p = Parser(__doc__)
+    p.add_argument("--model", default="out/ml-100k/models/centroid+gti", help="a model folder with SID tokens (03/04)")
+    p.add_argument("--out-dir", default="", help="artifacts folder (empty: two levels above --model)")
+    p.add_argument("--batch", type=pos_int, default=8, help="sequence windows per step (05's default --batch-size)")
+    p.add_argument("--prompt-batch", type=pos_int, default=16,
+                   help="instruction rows per step for the prompt objective (the LC-Rec / GTI instruction format)")
+    p.add_argument("--steps", type=pos_int, default=3, help="timed steps per configuration (after one warm-up step)")
+    p.add_argument("--max-history", type=pos_int, default=20, help="history items (05's default)")
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda", "mps"], help="auto = cuda, else cpu")
+    return p.parse_args(argv)
 
 
 def main():
-    args = sft.parse_args()
-    device = sft.pick_device(args.device)
+    args = parse_args()
+    device = pick_device(args.device)
     out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(args.model)))
-    model, tok, vocab, data, _, item_tok, _ = sft.load_sid_model(args.model, out_dir, "cpu")
+    model, tok, vocab, data, _, item_tok, _ = load_sid_model(args.model, out_dir, "cpu")
     model.to(device).train()
     level_tok = [torch.tensor(t) for t in vocab["token_ids"]]
     state0 = {k: v.clone() for k, v in model.state_dict().items()}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    train, valid = data["train"], data["valid"].tolist()
-    dtypes = ["float32"] + (["bfloat16"] if "bf16" in sft.pick_autocast("auto", device)[1] else [])
+    train = data["train"]
+    dtypes = ["float32"] + (["bfloat16"] if "bf16" in pick_autocast("auto", device)[1] else [])
     default_dtype = dtypes[-1]
     print(f"device {device}  threads {torch.get_num_threads()}  dtypes {dtypes}  model {args.model}")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     body, d = body_params(model), model.get_output_embeddings().weight.shape[1]
-    peak = {dtype: matmul_flops(device, sft.pick_autocast(dtype, device)[0]) for dtype in dtypes}
+    peak = {dtype: matmul_flops(device, pick_autocast(dtype, device)[0]) for dtype in dtypes}
     print(f"body parameters {body / 1e6:.1f}M; 2048^3 matmul: "
           + ", ".join(f"{k} {gflops(v)}" for k, v in peak.items()))
     res, fraction = {}, {}
     for objective in ("prompt", "sequence"):
         rec, _ = sft.build_examples(train, len(item_tok), objective, args.max_history, 0.0, 0)
-        enc = sft.Encoder(tok, sft.TEMPLATES[objective], objective, item_tok, data["texts"], train, valid,
-                          args.max_history)
+        rows = sft.RowBuilder(tok, objective, item_tok, data["texts"], train, args.max_history)
         size = args.prompt_batch if objective == "prompt" else args.batch
-        batches = [sft.collate([enc(rec[i]) for i in sft.stream_batch(len(rec), s * size, size, 0, {})], pad)
+        batches = [sft.collate([rows.row(rec[i]) for i in sft.stream_batch(len(rec), s * size, size, 0)], pad)
                    for s in range(args.steps + 1)]
         for softmax in ("full", "level"):
             for dtype in dtypes:
@@ -82,7 +72,7 @@ def main():
                 loss_model = sft.SIDLoss(model, softmax, level_tok).to(device)
                 V, C = loss_model.col_of.shape[0], loss_model.cols.shape[0]     # head columns
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-                ctx = sft.pick_autocast(dtype, device)[0]
+                ctx = pick_autocast(dtype, device)[0]
                 items, t, flop = 0, 0.0, 0.0
                 for s, batch in enumerate(batches):
                     ids, mask, pos, labels = (x.to(device) for x in batch)
