@@ -20,7 +20,7 @@ training stops after --patience evaluations without improvement.
 Test: history = sequence[:-1] (train part + valid item), its last --max-len items are fed to the model,
 target = test item, full ranking over all N items, top-20 lists under two protocols:
     exclude: items of the user's history get -inf before the top-K (RecBole's full-sort protocol)
-    keep:    nothing removed (06_eval.py --no-exclude-history; the TIGER-style protocol)
+    keep:    nothing removed (06_eval.py --protocol kept; the TIGER-style protocol)
 (-1 in a list = fewer than 20 items left after the exclusion.) Cold targets: test items seen <= --cold-max
 times in the train parts (as in 06).
 
@@ -39,19 +39,10 @@ The defaults were chosen to fit `make run`: with lr 1e-3 (up to 200 epochs, one 
 epoch was 85 and the run took 6 min for the same test numbers (0.211 / 0.111 history excluded). Same seed ->
 same numbers on CPU (CUDA kernels may differ slightly).
 """
-import argparse
-import ast
-import dataclasses
-import importlib.util
-import inspect
 import json
 import os
-import random
 import sys
 import time
-import typing
-from dataclasses import dataclass
-from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -59,55 +50,45 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from common import (Parser, atomic_write, die, load_pt, load_step, nonneg_int, pick_device,  # noqa: E402
+                    pos_float, pos_int, seed_everything)
 
 
-@dataclass
-class Args:
-    out_dir: str = "out/ml-100k"
-    """artifacts folder with dataset.pt; results go to <out-dir>/sasrec/"""
-    max_len: Annotated[int, ">= 1"] = 50
-    """items fed to the model (training windows and test histories are cut to this length)"""
-    dim: Annotated[int, ">= 1"] = 64
-    """embedding and hidden size d"""
-    blocks: Annotated[int, ">= 1"] = 2
-    """self-attention blocks"""
-    heads: Annotated[int, ">= 1"] = 1
-    """attention heads (must divide --dim)"""
-    dropout: float = 0.2
-    """dropout on embeddings, attention weights and residual branches"""
-    lr: Annotated[float, "> 0"] = 3e-3
-    """Adam learning rate (1e-3 gives the same test numbers in 2.4x the epochs; see the docstring)"""
-    batch_size: Annotated[int, ">= 1"] = 128
-    """training windows per step"""
-    epochs: Annotated[int, ">= 1"] = 45
-    """maximum passes over all training windows (the best validation epoch is kept)"""
-    eval_every: Annotated[int, ">= 1"] = 5
-    """validation Recall@10 every N epochs"""
-    patience: Annotated[int, ">= 1"] = 5
-    """stop after this many evaluations without a better validation Recall@10"""
-    cold_max: Annotated[int, ">= 0"] = 10
-    """a test target is cold when it occurs <= this many times in the train parts"""
-    users: Annotated[int, ">= 0"] = 0
-    """score only the first N users on the test split (0: all); training always uses all users"""
-    eval_batch: Annotated[int, ">= 1"] = 256
-    """users per scoring batch"""
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    """auto = cuda, else mps, else cpu"""
-    seed: int = 0
-    """seeds random, numpy, torch (initialization, dropout, window order)"""
+def parse_args(argv=None):
+    p = Parser(__doc__)
+    p.add_argument("--out-dir", default="out/ml-100k",
+                   help="artifacts folder with dataset.pt; results go to <out-dir>/sasrec/")
+    p.add_argument("--max-len", type=pos_int, default=50,
+                   help="items fed to the model (training windows and test histories are cut to this length)")
+    p.add_argument("--dim", type=pos_int, default=64, help="embedding and hidden size d")
+    p.add_argument("--blocks", type=pos_int, default=2, help="self-attention blocks")
+    p.add_argument("--heads", type=pos_int, default=1, help="attention heads (must divide --dim)")
+    p.add_argument("--dropout", type=float, default=0.2,
+                   help="dropout on embeddings, attention weights and residual branches")
+    p.add_argument("--lr", type=pos_float, default=3e-3,
+                   help="Adam learning rate (1e-3 gives the same test numbers in 2.4x the epochs; see the docstring)")
+    p.add_argument("--batch-size", type=pos_int, default=128, help="training windows per step")
+    p.add_argument("--epochs", type=pos_int, default=45,
+                   help="maximum passes over all training windows (the best validation epoch is kept)")
+    p.add_argument("--eval-every", type=pos_int, default=5, help="validation Recall@10 every N epochs")
+    p.add_argument("--patience", type=pos_int, default=5,
+                   help="stop after this many evaluations without a better validation Recall@10")
+    p.add_argument("--cold-max", type=nonneg_int, default=10,
+                   help="a test target is cold when it occurs <= this many times in the train parts")
+    p.add_argument("--users", type=nonneg_int, default=0,
+                   help="score only the first N users on the test split (0: all); training always uses all users")
+    p.add_argument("--eval-batch", type=pos_int, default=256, help="users per scoring batch")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="auto = cuda, else mps, else cpu")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds random, numpy, torch (initialization, dropout, window order)")
+    return p.parse_args(argv)
 
 
 def save_npy(path: str, arr: np.ndarray):
     with open(path, "wb") as f:      # a file object: np.save would add .npy to a str path
         np.save(f, arr)
-
-
-def load_eval06():
-    """06_eval.py by path (its name starts with a digit): rank_metrics, popular_topk and markdown_table come from there."""
-    spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -218,7 +199,7 @@ def main():
     missing = [f for f in ("train", "valid", "test", "sequences", "popularity", "item_ids") if f not in data]
     if missing:
         die(f"{args.out_dir}/dataset.pt lacks {', '.join(missing)}; rerun 01_embed_items.py")
-    ev = load_eval06()
+    ev = load_step("06_eval")                  # 06's rank_metrics, popular_topk and markdown_table
     n, train = len(data["item_ids"]), data["train"]
     valid, test, pop = data["valid"].numpy(), data["test"].numpy(), data["popularity"].numpy()
     x, y = train_windows(train, args.max_len)
@@ -284,7 +265,7 @@ def main():
     res.update({"best_epoch": best_epoch, "best_val_recall@10": best, "best_val_ndcg@10": best_ndcg,
                 "epochs_run": epoch, "val_curve": val_curve,
                 "train_seconds": round(train_s, 2), "seconds": round(time.time() - t0, 2), "params": params,
-                "args": dataclasses.asdict(args)})
+                "args": vars(args)})
     config = {k: getattr(args, k) for k in ("max_len", "dim", "blocks", "heads", "dropout")} | {"num_items": n}
     atomic_write(os.path.join(save_dir, "sasrec.pt"),
                  lambda t: torch.save({"state_dict": best_state, "config": config}, t))
@@ -296,96 +277,6 @@ def main():
                                  (f"SASRec (cold <= {args.cold_max}, n={res['cold_users']})", r["cold_model"]),
                                  ("most popular (cold)", r["cold_most_popular"])]))
     print(f"wrote {os.path.join(save_dir, 'eval_test.json')}  ({time.time() - t0:.0f}s)")
-
-
-# --------------------------------------------------------------------------------------------------
-# Helpers: the same text in every script that has them (tests/test_plumbing.py checks it);
-# no script imports another. Below main(): Python looks names up when main() runs.
-# --------------------------------------------------------------------------------------------------
-def die(msg: str):
-    """Bad input ends the run with one clear line on stderr and exit status 1."""
-    sys.exit(f"error: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage dump
-        die(f"{message} (see `python {self.prog} --help`)")
-
-
-def parse_args() -> Args:
-    """The CLI generated from Args: help = the docstring under each field, --flag/--no-flag for a
-    bool, choices = a Literal's values, and a bound Annotated[int, ">= 1"] checked here."""
-    body = ast.parse(inspect.getsource(Args)).body[0].body
-    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
-    hints = typing.get_type_hints(Args, include_extras=True)
-    p = _Parser(prog=os.path.basename(sys.argv[0]), description=__doc__.split("\n\n")[0])
-    bounds = {}
-    for f in dataclasses.fields(Args):
-        flag, t, kw = "--" + f.name.replace("_", "-"), hints[f.name], {"default": f.default}
-        if typing.get_origin(t) is Annotated:
-            t, bounds[f.name] = typing.get_args(t)[:2]
-        if t is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(t) is Literal:
-            kw["choices"] = typing.get_args(t)
-        else:
-            kw["type"] = t
-        p.add_argument(flag, help=f"{docs.get(f.name, '')} (default: {f.default})", **kw)
-    args = Args(**vars(p.parse_args()))
-    for name, bound in bounds.items():                                 # ">= 1", ">= 0" or "> 0"
-        op, limit = bound.split()
-        v = getattr(args, name)
-        if not (v >= float(limit) if op == ">=" else v > float(limit)):
-            p.error(f"argument --{name.replace('_', '-')}: must be {bound} (got {v})")
-    return args
-
-
-def pick_device(name: str) -> torch.device:
-    """--device auto -> cuda, else mps, else cpu; a device that is not there is one line."""
-    if name == "auto":
-        mps = torch.backends.mps.is_available()
-        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        die("--device cuda but CUDA is not available; use --device cpu")
-    if name == "mps" and not torch.backends.mps.is_available():
-        die("--device mps but MPS is not available; use --device cpu")
-    return torch.device(name)
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
-    torch:  atomic_write(p, lambda t: torch.save(obj, t))
-    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (a str path would get .npy)
-    json:   atomic_write(p, lambda t: open(t, "w").write(json.dumps(d, indent=2)))"""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-# Guarded loaders, one per file kind: a missing or broken artifact is one line that names the file
-# and what to do (`hint`: which step makes it), never a traceback.
-def load_artifact(path: str, hint: str, read):
-    if not os.path.isfile(path):
-        die(f"{path} not found; {hint}")
-    try:
-        return read(path)
-    except Exception as e:
-        die(f"{path} is unreadable ({type(e).__name__}); {hint}")
-
-
-def load_pt(path: str, hint: str):           # tensors, lists, dicts; never pickled objects
-    return load_artifact(path, hint, lambda p: torch.load(p, map_location="cpu", weights_only=True))
 
 
 if __name__ == "__main__":
