@@ -5,12 +5,11 @@
 The item is the test item of the first user whose top-5 (06, history excluded) holds it. For that item:
 its text and embedding (01), its SID codes and tokens with the items that share each prefix (02), its
 new rows (03, ids and norms), a real grounding pair (04's build_pairs), a real 05 training row that
-supervises it (05's build_examples + Encoder, decoded), and the user's 06 prompt (06's build_prompts,
+supervises it (05's build_examples + RowBuilder, decoded), and the user's 06 prompt (06's build_prompts,
 decoded) with the top-5 items returned. The row and prompt builders are the scripts' own functions,
-loaded by path, so this page changes whenever they do.
+loaded with common.load_step, so this page changes whenever they do.
 """
 import argparse
-import importlib.util
 import os
 import sys
 
@@ -18,13 +17,8 @@ import numpy as np
 from safetensors import safe_open
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def script(name):
-    spec = importlib.util.spec_from_file_location(name.split("_")[0], os.path.join(REPO, name))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, REPO)
+from common import atomic_write, load_sid_model, load_step  # noqa: E402
 
 
 def sid_lines(ids, tok, L, per_line=4, head=2, tail=1):
@@ -54,8 +48,8 @@ def main():
     topk_path = os.path.join(model_dir, "eval_test_topk.npy")
     if not os.path.exists(topk_path):
         sys.exit(f"error: {topk_path} not found; run `make run` (06_eval.py) first")
-    sft, ground, ev = script("05_sft.py"), script("04_ground.py"), script("06_eval.py")
-    _, tok, vocab, data, codes, item_tok, cfg = sft.load_sid_model(model_dir, o, "cpu")
+    sft, ground, ev = load_step("05_sft"), load_step("04_ground"), load_step("06_eval")
+    _, tok, vocab, data, codes, item_tok, cfg = load_sid_model(model_dir, o, "cpu")
     topk = np.load(topk_path)
     test = data["test"][:len(topk)].numpy()
     u = next((u for u in range(len(topk)) if test[u] in topk[u, :5]), 0)
@@ -85,15 +79,14 @@ def main():
     L += ["", f"**03 new rows.** Token ids `{item_tok[item].tolist()}` in a vocabulary of "
           f"{rows.shape[0]}; centroid init puts each row at the mean-shifted centroid of the items "
           f"above (row norms {', '.join(f'{n:.2f}' for n in norms)}).", ""]
-    max_text = ground.Args().max_text_tokens                               # 04's default
+    max_text = ground.parse_args([]).max_text_tokens                       # 04's default
     prompt, target, _ = ground.build_pairs(tok, texts, item_tok.tolist(), [item], max_text)[0]
     L += ["**04 grounding pair** (text -> SID; only the new rows train):", "", "```",
           f"{tok.decode(prompt)}  ->  {tok.decode(target)}", "```", ""]
     rec, _ = sft.build_examples(data["train"], len(item_tok), cfg["objective"], cfg["max_history"], 0.0, 0)
-    enc = sft.Encoder(tok, cfg["template"], cfg["objective"], item_tok, texts, data["train"],
-                      data["valid"].tolist(), cfg["max_history"])
+    rows = sft.RowBuilder(tok, cfg["objective"], item_tok, texts, data["train"], cfg["max_history"])
     sid = item_tok[item].tolist()
-    row, (ids, is_target) = next((r, enc(r)) for r in rec if supervises(*enc(r), sid))
+    row, (ids, is_target) = next((r, rows.row(r)) for r in rec if supervises(*rows.row(r), sid))
     L += [f"**05 a training row** (user {row[1]}'s window of {sum(is_target) // codes.shape[1]} targets, "
           f"{len(ids)} tokens, {sum(is_target)} supervised; the item is one of the targets):", "", "```",
           *sid_lines(ids, tok, codes.shape[1]), "```", ""]
@@ -106,7 +99,7 @@ def main():
     for r, i in enumerate(topk[u, :5].tolist()):
         L.append(f"{r + 1}. `{''.join(sid_tokens(i))}` {texts[i]}" + ("  <- the test item" if i == item else ""))
     path = os.path.join(o, "journey.md")
-    sft.atomic_write(path, lambda t: open(t, "w").write("\n".join(L) + "\n"))
+    atomic_write(path, lambda t: open(t, "w").write("\n".join(L) + "\n"))
     print("\n".join(L))
     print(f"wrote {path}")
 
