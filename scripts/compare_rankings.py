@@ -1,11 +1,10 @@
 """Compare two ranked lists of the same users (06's <name>_topk.npy files): metrics of each, their paired
 differences with bootstrap 95% intervals, and how much the lists share (beam vs exact search, or two models).
+The exact lists come from bench/exact_search.py.
 
     python scripts/compare_rankings.py out/ml-100k/models/centroid+gti+sft/eval_test_topk.npy \\
         out/ml-100k/models/centroid+gti+sft/eval_test_exact_topk.npy --names beam,exact
 """
-import argparse
-import importlib.util
 import os
 import sys
 
@@ -13,34 +12,26 @@ import numpy as np
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
-ev = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ev)                  # 06's metrics and bootstrap (not a numbered step)
+sys.path.insert(0, REPO)
+from common import Parser, die, load_npy, load_pt, load_step  # noqa: E402
 
-
-def load(path, hint, read):
-    """One line naming the file and what to do, never a traceback."""
-    try:
-        return read(path)
-    except Exception as e:
-        ev.die(f"{path}: {'not found' if not os.path.isfile(path) else type(e).__name__}; {hint}")
+ev = load_step("06_eval")                     # 06's metrics and bootstrap (not a numbered step)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("a")
-    p.add_argument("b")
+    p = Parser(__doc__)
+    p.add_argument("a", help="a <name>_topk.npy of 06_eval.py or bench/exact_search.py")
+    p.add_argument("b", help="another one, same users and length")
     p.add_argument("--names", default="a,b", help="two labels")
     p.add_argument("--out-dir", default="", help="folder with dataset.pt (default: three levels above a)")
     p.add_argument("--split", default="test", choices=["test", "valid"])
     args = p.parse_args()
     na, nb = args.names.split(",")
     out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(args.a))))
-    A, B = (load(f, "run 06_eval.py first", lambda p: np.load(p, allow_pickle=False)) for f in (args.a, args.b))
-    data = load(os.path.join(out_dir, "dataset.pt"), "pass --out-dir (the folder of 01's dataset.pt)",
-                lambda p: torch.load(p, map_location="cpu", weights_only=True))
+    A, B = (load_npy(f, "run 06_eval.py first") for f in (args.a, args.b))
+    data = load_pt(os.path.join(out_dir, "dataset.pt"), "pass --out-dir (the folder of 01's dataset.pt)")
     if A.shape != B.shape:
-        ev.die(f"{args.a} {A.shape} and {args.b} {B.shape} rank different users or lengths")
+        die(f"{args.a} {A.shape} and {args.b} {B.shape} rank different users or lengths")
     t = data[args.split][:len(A)].numpy()
     ma, mb = ev.per_user_metrics(A, t), ev.per_user_metrics(B, t)
     print(f"{len(A)} users, lists of {A.shape[1]}")
