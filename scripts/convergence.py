@@ -2,7 +2,13 @@
 --epochs, rounded down to whole --eval-every blocks), the checkpoint of highest validation NDCG@10
 kept, then 06 on its test split.
 
-Runs (each one resumable piece: a killed 05 continues with --resume at the next call):
+How: 05 runs to the cap with --keep-checkpoints (the model of every validation in <save>.checkpoints/);
+06 --split valid ranks them in step order and the patience rule is applied to that curve, so the
+checkpoints after the stop are never ranked. 05's schedule depends on the cap only, so the model at each
+step is the one a run stopped there would have had; the record's `seconds` is then 05's whole run.
+
+Runs (each one resumable piece: a killed 05 continues with --resume at the next call, a killed ranking
+with the next checkpoint, <save>.ranks.json):
     ceiling      centroid + GTI (make run's chain), seed 0: how good the LLM gets on ML-100K
     random-sN    random init,   seeds --seeds: steps to peak per init
     centroid-sN  centroid init, seeds --seeds   (no grounding: the centroid paper's comparison)
@@ -16,7 +22,7 @@ pinned tokenizer: 02 learns other codes on another CPU from the same item vector
 make run's 02 outputs (sids.npy, centroids.pt, rqvae.pt) into results/convergence/tokenizer/, committed, and
 every run on any machine rebuilds 03 (and 04 for the ceiling) from those files in out/ml-100k/convergence/base/.
 A seed pair made in two sessions then differs by its init and seed, not by its SIDs. Model selection reads
-only the validation item (05 --select ndcg runs 06 --split valid); the test split is scored once per run,
+only the validation item (06 --split valid on 05's checkpoints); the test split is scored once per run,
 on the chosen checkpoint. A finished run leaves a small record in results/convergence/ (<run>.json: 05's
 curves, steps and times, the test metrics, sha256 of its SIDs; <run>_test_topk.npy: each user's ranked
 test list), committed with its numbers: the report is built from the records, so runs made on different
@@ -38,7 +44,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
 from study import BACKBONE, REPO, ev, fmt_iv, link_artifacts, t_interval, verdict  # noqa: E402  (ev = 06's metrics)
 OUT = "out/ml-100k"
@@ -48,6 +54,7 @@ BASE = f"{OUT}/convergence/base"        # 01's files + the pinned 02 files -> 03
 RECORDS = "results/convergence"       # one finished run = <run>.json + <run>_test_topk.npy, committed
 S_PER_STEP, S_PER_RANK = 3.0, 200.0   # this 2-core VM: 05 s/step, one 06 --split valid (943 users)
 STEPS_PER_EPOCH = 660                  # ML-100K: 5,299 windows / 8 a step = 662 (05 prints the epochs)
+PATIENCE = 2                           # a run stops after this many validations without a better NDCG@10
 
 
 def runs_of(a):
@@ -105,14 +112,55 @@ def build_base(init, pinned_sha):
         sh(["04_ground.py", "--out-dir", BASE, "--model", f"{BASE}/models/centroid", "--steps", "120"], log)
 
 
-def write_record(name, init, seed, run_dir):
-    """Keep what the report needs from a finished run (a few kB + one (users, 20) int32 array)."""
-    j, t = json.load(open(f"{run_dir}/05_sft.json")), json.load(open(f"{run_dir}/eval_test.json"))
-    topk = np.load(f"{run_dir}/eval_test_topk.npy", allow_pickle=False).astype(np.int32)
+def stop_early(curve, total, patience=PATIENCE):
+    """The patience rule on a validation curve [[step, Recall@10, NDCG@10], ...] in step order: the best
+    checkpoint is the first of highest NDCG@10; `patience` validations after it without a better one (before
+    the last step) stop the run there. -> (best step, the step the run stopped at: `total` if it ran out)."""
+    best = 0
+    for i, (step, _, ndcg) in enumerate(curve):
+        if ndcg > curve[best][2]:
+            best = i
+        if i - best >= patience and step < total:
+            return curve[best][0], step
+    return curve[best][0], total
+
+
+def rank_checkpoints(a, save, log):
+    """06 --split valid (history excluded, beam 20, the first --rank-users users: the test item is not read) on
+    each model 05 kept, in step order, until the patience rule stops the run. Each result goes into
+    <save>.ranks.json as it comes. -> {rank_curve, best_step, stopped_at, rank_seconds}."""
+    steps = sorted(int(d[5:]) for d in os.listdir(f"{REPO}/{save}.checkpoints") if d.startswith("step_"))
+    total = json.load(open(f"{REPO}/{save}/05_sft.json"))["steps"]
+    path = f"{REPO}/{save}.ranks.json"
+    done = json.load(open(path)) if os.path.exists(path) else {}      # step -> [Recall@10, NDCG@10, seconds]
+    curve = []
+    for step in steps:
+        if str(step) not in done:
+            t, ck = time.time(), f"{save}.checkpoints/step_{step}"
+            sh(["06_eval.py", "--out-dir", BASE, "--model", ck, "--split", "valid", "--protocol", "excluded",
+                "--beam", "20", "--users", str(a.rank_users)], log)
+            m = json.load(open(f"{REPO}/{ck}/eval_valid.json"))["model"]
+            done[str(step)] = [round(m["recall@10"], 5), round(m["ndcg@10"], 5), time.time() - t]
+            ev.atomic_write(path, lambda p: open(p, "w").write(json.dumps(done)))
+        curve.append([step, *done[str(step)][:2]])
+        best, stopped = stop_early(curve, total)
+        if stopped < total:
+            break
+    return {"rank_curve": curve, "best_step": best, "stopped_at": stopped,
+            "rank_seconds": round(sum(done[str(s)][2] for s, _, _ in curve), 1)}
+
+
+def write_record(name, init, seed, run_dir, best_dir, ranked):
+    """Keep what the report needs from a finished run (a few kB + one (users, 20) int32 array): 05's counts
+    and seconds from run_dir, the test metrics and lists of the chosen checkpoint best_dir, and the ranking
+    (rank_checkpoints)."""
+    j, t = json.load(open(f"{run_dir}/05_sft.json")), json.load(open(f"{best_dir}/eval_test.json"))
+    topk = np.load(f"{best_dir}/eval_test_topk.npy", allow_pickle=False).astype(np.int32)
     rec = {"run": name, "init": init, "seed": seed, "sids_sha256": sha(f"{REPO}/{TOKENIZER}/sids.npy"),
            "test": t["model"],
            "steps_per_epoch": (j["examples"] + j["aux_examples"]) / (j["batch_size"] * j["grad_accum"]),
-           **{k: j[k] for k in ("best_step", "stopped_at", "rank_curve", "seconds", "rank_seconds")}}
+           "best_step": ranked["best_step"], "stopped_at": ranked["stopped_at"],
+           "rank_curve": ranked["rank_curve"], "seconds": j["seconds"], "rank_seconds": ranked["rank_seconds"]}
     os.makedirs(f"{REPO}/{RECORDS}", exist_ok=True)
     ev.atomic_write(record_path(name, "_test_topk.npy"), lambda p: np.save(open(p, "wb"), topk))
     ev.atomic_write(record_path(name), lambda p: open(p, "w").write(json.dumps(rec, indent=1) + "\n"))
@@ -140,14 +188,19 @@ def run_one(a, name, init, seed):
     build_base(init, pinned)
     save = f"{OUT}/convergence/{name}"
     log = f"{REPO}/{save}.logs"
-    if not os.path.exists(f"{REPO}/{save}/05_sft.json"):
+    if not os.path.exists(f"{REPO}/{save}/05_sft.json"):           # 05 to the cap, every validation kept
         resume = ["--resume"] if os.path.exists(f"{REPO}/{save}.resume.pt") else []
         sh(["05_sft.py", "--out-dir", BASE, "--model", f"{BASE}/models/{init}", "--save", save,
-            "--steps", str(max_steps(a)), "--eval-every", str(a.eval_every), "--select", "ndcg",
-            "--rank-users", str(a.rank_users), "--patience", "2", "--seed", str(seed), *resume], log)
-    if not os.path.exists(f"{REPO}/{save}/eval_test.json"):
-        sh(["06_eval.py", "--out-dir", BASE, "--model", save, "--protocol", "excluded"], log)
-    write_record(name, init, seed, f"{REPO}/{save}")
+            "--steps", str(max_steps(a)), "--eval-every", str(a.eval_every), "--keep-checkpoints",
+            "--seed", str(seed), *resume], log)
+    ranked = rank_checkpoints(a, save, log)
+    best = f"{save}.checkpoints/step_{ranked['best_step']}"
+    if not os.path.exists(f"{REPO}/{best}/eval_test.json"):
+        sh(["06_eval.py", "--out-dir", BASE, "--model", best, "--protocol", "excluded"], log)
+    write_record(name, init, seed, f"{REPO}/{save}", f"{REPO}/{best}", ranked)
+    for d in os.listdir(f"{REPO}/{save}.checkpoints"):              # ~0.5 GB each; the record is written
+        if d != f"step_{ranked['best_step']}":
+            shutil.rmtree(f"{REPO}/{save}.checkpoints/{d}")
 
 
 def seed_pairs(recs):

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from study import BACKBONE, REPO, ev, link_artifacts, run_script  # noqa: E402  (study.py's runner; ev = 06's metrics)
 OUT = "out/ml-100k"
 GROUNDED = f"{OUT}/models/centroid+gti"      # make run's 04 output: the default chain's input to 05

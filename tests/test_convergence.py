@@ -1,7 +1,8 @@
 """scripts/convergence.py: every run trains on the pinned tokenizer (not on whatever 02 learned on this machine),
-a finished run's record round-trips (the report needs no out/ folder), a run with a record on the pinned SIDs is
-not rerun and one on other SIDs is, and the efficiency verdict pairs seeds and refuses a pair whose peak was not
-reached."""
+the patience rule applied to 06's ranking of 05's kept checkpoints (best, stop, the checkpoints after the stop never
+ranked, a killed ranking resumed), a finished run's record round-trips (the report needs no out/ folder), a run
+with a record on the pinned SIDs is not rerun and one on other SIDs is, and the efficiency verdict pairs seeds and
+refuses a pair whose peak was not reached."""
 import argparse
 import json
 
@@ -14,13 +15,16 @@ conv = load_script("scripts/convergence.py")
 
 
 def fake_run(d, best, stopped, users=5):
+    """05's folder (05_sft.json) and its chosen checkpoint (06's test files); -> (best_dir, the ranking)."""
     d.mkdir(parents=True)
     (d / "05_sft.json").write_text(json.dumps({
-        "examples": 600, "aux_examples": 60, "batch_size": 8, "grad_accum": 1, "best_step": best,
-        "stopped_at": stopped, "rank_curve": [[0, 0.0, 0.01], [best, 0.2, 0.1]], "seconds": 90.0,
-        "rank_seconds": 30.0}))
-    (d / "eval_test.json").write_text(json.dumps({"model": {"recall@10": 0.4}}))
-    np.save(d / "eval_test_topk.npy", np.arange(users * 20).reshape(users, 20))
+        "examples": 600, "aux_examples": 60, "batch_size": 8, "grad_accum": 1, "seconds": 90.0, "steps": 2 * stopped}))
+    best_dir = d.parent / f"{d.name}.checkpoints" / f"step_{best}"
+    best_dir.mkdir(parents=True)
+    (best_dir / "eval_test.json").write_text(json.dumps({"model": {"recall@10": 0.4}}))
+    np.save(best_dir / "eval_test_topk.npy", np.arange(users * 20).reshape(users, 20))
+    return str(best_dir), {"rank_curve": [[0, 0.0, 0.01], [best, 0.2, 0.1]], "best_step": best, "stopped_at": stopped,
+                           "rank_seconds": 30.0}
 
 
 def fake_make_run(root, sids):
@@ -62,12 +66,15 @@ def test_pinned_tokenizer_and_base(tmp_path, monkeypatch):
 
 def test_record_round_trip_and_skip(tmp_path, monkeypatch):
     monkeypatch.setattr(conv, "REPO", str(tmp_path))
-    fake_run(tmp_path / "run", 44, 88)
+    best_dir, ranked = fake_run(tmp_path / "run", 44, 88)
     fake_make_run(tmp_path, np.zeros((5, 4), np.int64))
     conv.pin_tokenizer()
-    conv.write_record("random-s0", "random", 0, str(tmp_path / "run"))
+    conv.write_record("random-s0", "random", 0, str(tmp_path / "run"), best_dir, ranked)
     rec, topk = conv.read_record("random-s0", 5)
     assert rec["init"] == "random" and rec["best_step"] == 44 and rec["steps_per_epoch"] == 82.5
+    assert rec["stopped_at"] == 88 and rec["seconds"] == 90.0 and rec["rank_seconds"] == 30.0
+    assert list(rec) == ["run", "init", "seed", "sids_sha256", "test", "steps_per_epoch", "best_step", "stopped_at",
+                         "rank_curve", "seconds", "rank_seconds"]                    # the committed records' fields
     assert len(rec["sids_sha256"]) == 12 and int(rec["sids_sha256"], 16) >= 0
     assert rec["rank_curve"][1] == [44, 0.2, 0.1] and topk.dtype == np.int64
     assert (topk == np.arange(100).reshape(5, 20)).all()
@@ -82,12 +89,59 @@ def test_record_round_trip_and_skip(tmp_path, monkeypatch):
     ran = []
 
     def stop_at_05(cmd, logs):
-        ran.append(cmd[0])
+        ran.append(cmd)
         raise InterruptedError                                         # the test needs only the first call
     monkeypatch.setattr(conv, "sh", stop_at_05)
     with pytest.raises(InterruptedError):
         conv.run_one(argparse.Namespace(epochs=1.0, eval_every=10, rank_users=5), "random-s0", "random", 0)
-    assert ran == ["05_sft.py"]
+    assert [c[0] for c in ran] == ["05_sft.py"] and "--keep-checkpoints" in ran[0]     # 05 to the cap, all kept
+    assert ran[0][ran[0].index("--steps") + 1] == "660" and "--resume" not in ran[0]
+
+
+@pytest.mark.parametrize("ndcg, best, stopped", [
+    ([0.01, 0.05, 0.04, 0.03, 0.06, 0.07], 1, 3),       # 2 validations after the best without a better one: stop
+    ([0.01, 0.05, 0.04, 0.05, 0.06, 0.07], 1, 3),       # a tie is not better: the first of equal values stays best
+    ([0.01, 0.05, 0.04, 0.06, 0.05, 0.07], 5, 5),       # each new best restarts the count; runs to the cap
+    ([0.01, 0.02, 0.03, 0.04, 0.03, 0.02], 3, 5),       # the rule never stops the run at its last validation
+    ([0.09, 0.05, 0.04, 0.06], 0, 2)])                  # step 0 can be the best
+def test_patience_rule(ndcg, best, stopped):
+    curve = [[220 * i, 0.0, n] for i, n in enumerate(ndcg)]
+    assert conv.stop_early(curve, 220 * (len(ndcg) - 1)) == (220 * best, 220 * stopped)
+
+
+def test_rank_checkpoints_stops_with_the_patience_rule_and_resumes(tmp_path, monkeypatch):
+    """06 ranks 05's checkpoints in step order and stops with the rule: the ones after the stop are never ranked;
+    a killed ranking goes on at the next checkpoint; the record's curve, best step, stop and seconds."""
+    monkeypatch.setattr(conv, "REPO", str(tmp_path))
+    save = "out/ml-100k/convergence/random-s0"
+    (tmp_path / save).mkdir(parents=True)
+    (tmp_path / save / "05_sft.json").write_text(json.dumps({"steps": 1100}))
+    ndcg = {0: 0.01, 220: 0.05, 440: 0.07, 660: 0.06, 880: 0.065, 1100: 0.2}     # stop at 880, best 440
+    for step in ndcg:
+        (tmp_path / f"{save}.checkpoints" / f"step_{step}").mkdir(parents=True)
+    ranked = []
+
+    def fake_06(cmd, logs):
+        model = cmd[cmd.index("--model") + 1]
+        assert cmd[0] == "06_eval.py" and cmd[cmd.index("--split") + 1] == "valid" and "--users" in cmd
+        assert cmd[cmd.index("--protocol") + 1] == "excluded" and cmd[cmd.index("--beam") + 1] == "20"
+        step = int(model.rsplit("_", 1)[1])
+        if len(ranked) == 2 and not killed:
+            killed.append(step)
+            raise InterruptedError                                     # killed while ranking step 440
+        ranked.append(step)
+        (tmp_path / model / "eval_valid.json").write_text(json.dumps(
+            {"model": {"recall@10": 2 * ndcg[step], "ndcg@10": ndcg[step]}}))
+    killed = []
+    monkeypatch.setattr(conv, "sh", fake_06)
+    a = argparse.Namespace(rank_users=943)
+    with pytest.raises(InterruptedError):
+        conv.rank_checkpoints(a, save, "logs")
+    out = conv.rank_checkpoints(a, save, "logs")
+    assert ranked == [0, 220, 440, 660, 880] and killed == [440]           # 1100 never ranked; 0, 220 not twice
+    assert out["best_step"] == 440 and out["stopped_at"] == 880
+    assert out["rank_curve"] == [[s, round(2 * ndcg[s], 5), ndcg[s]] for s in (0, 220, 440, 660, 880)]
+    assert 0 <= out["rank_seconds"] < 60
 
 
 def rec(init, seed, best, stopped):
@@ -162,8 +216,8 @@ def test_report_from_records_alone(tmp_path, monkeypatch):
     np.save(tmp_path / conv.OUT / "sasrec" / "eval_test_topk_exclude.npy", sas_topk)
     pinned = conv.pin_tokenizer()
     for name, best, first in (("random-s0", 40, 0), ("centroid-s0", 30, 1)):
-        fake_run(tmp_path / name, best, 60)
-        conv.write_record(name, name.split("-")[0], 0, str(tmp_path / name))
+        best_dir, ranked = fake_run(tmp_path / name, best, 60)
+        conv.write_record(name, name.split("-")[0], 0, str(tmp_path / name), best_dir, ranked)
         topk = np.tile(np.arange(20) + 100, (5, 1))
         topk[:first + 2, 0] = np.arange(first + 2)          # random hits 2 test items at rank 1, centroid 3
         np.save(tmp_path / conv.RECORDS / f"{name}_test_topk.npy", topk.astype(np.int32))
