@@ -51,6 +51,7 @@ run: setup
 	$(PY) baselines/sasrec.py --out-dir $(OUT)
 	$(PY) 06_eval.py --out-dir $(OUT) --model $(OUT)/models/centroid+gti+sft
 	$(PY) 07_diagnose.py --out-dir $(OUT) --models random,mean,centroid,shuffled,centroid+gti,centroid+gti+sft
+	$(PY) scripts/figures.py --diagnostics $(OUT)/diagnostics.json
 	$(PY) scripts/journey.py --out-dir $(OUT)
 	$(PY) scripts/summary.py --out-dir $(OUT)
 
@@ -99,7 +100,7 @@ clean:
 # from its last saved epoch). Every piece ends with
 # the report over all finished runs (and scripts/power.py's MDE per claim: results/<dataset>_power.md);
 # `make study-report` redoes only the reports; `make study-plan` prints the
-# plan and its estimated CPU time. EXACT=1 adds 06 --search exact for seed 0 (~9 min per variant).
+# plan and its estimated CPU time. EXACT=1 adds bench/exact_search.py (certified-exact top-20) for seed 0 (~9 min per variant).
 SEEDS ?= 0,1,2
 STUDY  = scripts/study.py --dataset $(DATASET) --seeds $(SEEDS) $(if $(EXACT),--exact,)
 study: setup

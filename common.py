@@ -1,10 +1,7 @@
-"""What every step shares and that is not the lesson: the CLI's one-line errors, device and dtype,
-seeding, atomic writes, guarded loaders, the model folder (model + tokenizer + sid_vocab.json), and the
-loader that lets scripts/, bench/ and tests use a numbered step's functions.
-
-A numbered script imports this module and nothing else of the repository; it never imports or runs
-another numbered script. Everything here is plain Python + PyTorch: read it once, then forget it.
-"""
+"""What every step shares and that is not the lesson: one-line CLI errors, device and dtype, seeding,
+atomic writes, guarded loaders, the model folder (model + tokenizer + sid_vocab.json), and load_step, with
+which scripts/, bench/ and tests use a numbered step's functions. A numbered script imports this module and
+never imports or runs another numbered script."""
 import argparse
 import hashlib
 import importlib.util
@@ -31,7 +28,7 @@ def die(msg: str):
 
 # --- the CLI: plain argparse, a bad flag is one line ---------------------------------------------
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors; `defaults shown in --help` for every flag."""
+    """argparse with one-line errors and every flag's default in --help."""
 
     def __init__(self, doc: str):
         super().__init__(prog=os.path.basename(sys.argv[0]), description=doc.split("\n\n")[0],
@@ -81,13 +78,9 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_autocast(name: str, device: torch.device, cpu_bf16_pays: bool = True):
-    """The one dtype rule: weights, optimizer state and softmaxes stay fp32; only the matmuls may
-    run in bf16 (autocast). Returns (autocast context, a note the script prints).
-      float32:  no autocast.
-      bfloat16: bf16 autocast on CUDA and CPU (emulated and slower without bf16 instructions);
-                fp32 on MPS.
-      auto:     bf16 on CUDA, and on CPUs with native bf16 (AVX512-BF16 / AMX) in the steps where it
-                measured faster (cpu_bf16_pays; docs/design.md); float32 elsewhere."""
+    """The one dtype rule: weights, optimizer state and softmaxes stay fp32; only the matmuls may run in
+    bf16 (autocast; fp32 on MPS). auto = bf16 on CUDA, and on CPUs with native bf16 (AVX512-BF16 / AMX) in
+    the steps where it measured faster (cpu_bf16_pays; docs/design.md). Returns (context, note to print)."""
     native_cpu = device.type == "cpu" and getattr(torch.cpu, "_is_avx512_bf16_supported",
                                                   lambda: False)()
     if name == "auto":
@@ -107,9 +100,8 @@ def seed_everything(seed: int):
 
 # --- files: atomic writes, guarded loads ---------------------------------------------------------
 def atomic_write(path: str, write):
-    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact.
-    torch:  atomic_write(p, lambda t: torch.save(obj, t))
-    numpy:  atomic_write(p, lambda t: np.save(open(t, "wb"), arr))   (a str path would get .npy)"""
+    """write(tmp_path) then rename: an interrupted step leaves the previous artifact intact. For numpy:
+    atomic_write(p, lambda t: np.save(open(t, "wb"), arr)) (np.save would add .npy to a str path)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
@@ -160,9 +152,8 @@ def load_hf(folder: str, hint: str, dtype=torch.float32):
 
 
 def save_folder(dst: str, model, tok, files: dict):
-    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then
-    swapped in. Safe against a kill at any line: before the swap <dst> is whole; between the two
-    renames only <dst>.old is (the next call renames it back first); stale .tmp/.old are cleared."""
+    """A Hugging Face folder (model + tokenizer + files {name: text}) written to <dst>.tmp, then swapped
+    in. A kill at any line leaves <dst> whole, or only <dst>.old (renamed back by the next call)."""
     tmp, old = f"{dst}.tmp", f"{dst}.old"
     if os.path.isdir(old) and not os.path.isdir(dst):                  # killed between the renames
         os.replace(old, dst)
@@ -186,10 +177,9 @@ def items_key(ds: dict) -> str:
 
 
 def load_sid_model(model_dir: str, out_dir: str, device):
-    """A folder made by 03, 04 or 05 (HF model + tokenizer + sid_vocab.json [+ sft_config.json])
-    and the dataset.pt whose items its SIDs name, checked against each other. Returns the fp32
-    model on `device`, tokenizer, sid_vocab, dataset, codes (N, L+1) every item's SID as codes,
-    item_tok (N, L+1) the same as token ids, and sft_config.json ({} when absent)."""
+    """A 03/04/05 folder and the dataset.pt whose items its SIDs name, checked against each other ->
+    (fp32 model on device, tokenizer, sid_vocab, dataset, codes (N, L+1) every item's SID,
+    item_tok (N, L+1) the same as token ids, sft_config.json or {})."""
     path = os.path.join(model_dir, "sid_vocab.json")
     hint = "use a folder made by 03_expand_vocab.py (or 04/05)"
     vocab = load_json(path, hint)
@@ -225,8 +215,8 @@ def load_sid_model(model_dir: str, out_dir: str, device):
 
 # --- for scripts/, bench/ and tests: a numbered step's functions, loaded by path ----------------------
 def load_step(name: str):
-    """load_step("06_eval") -> the module of 06_eval.py (names that start with a digit cannot be
-    imported with `import`). Each step is executed once per process and cached."""
+    """load_step("06_eval") -> the module 06_eval.py, executed once per process (a name that starts
+    with a digit cannot be imported with `import`)."""
     key = "step_" + name.removesuffix(".py")
     if key not in sys.modules:
         spec = importlib.util.spec_from_file_location(key, os.path.join(REPO, name.removesuffix(".py") + ".py"))

@@ -6,7 +6,7 @@ One run = one variant x one seed, in runs/study/<dataset>/<variant>/seed<s>/ (01
     [04_ground.py --steps 120 --seed s                                       -> 07]   GTI variants
     05_sft.py --eval-every 44 [--aux-tasks] --seed s     05's defaults: 220 steps x 8, lr 1e-3, level softmax
     07 (geometry after SFT);  06_eval.py --protocol excluded --cold-max 25  (beam 20, all test users)
-    [06_eval.py --search exact ...]                      seed 0 only, with --exact
+    [bench/exact_search.py --protocol excluded --cold-max 25]   seed 0 only, with --exact
 then the weights are deleted (JSONs and topk .npy stay; seed 0 keeps a slim copy of its embedding matrix per
 stage for the side-by-side figures). The rqk-* variants (tokenizer axis) use a second artifacts folder,
 runs/study/<dataset>/_tok_rqkmeans: 01's files linked, 02 --quantizer rqkmeans --collisions reassign.
@@ -22,8 +22,8 @@ Pieces (one seed of all 11 variants ~2.2 h on 2 CPU cores; a killed piece resume
     python scripts/study.py --report-only    (tables + figures from the finished runs)
     python scripts/study.py --seeds 0,1,2 --dry-run     (the plan and its estimated CPU time)
 CPT variants (<init>+cpt<E>: E epochs of 04 --train all, then 05, 07, 06 as above) start from a chain per init and seed,
-runs/study/<dataset>/_cpt/<init>/seed<s>: 03, one 04 --train all run saving the folders after each of CPT_EPOCHS[init]
-epochs (constant lr after the warmup, so epoch E's folder does not depend on the run's length), and 07 on every folder:
+runs/study/<dataset>/_cpt/<init>/seed<s>: 03, one 04 --train all run (it saves a folder after every epoch; the chain keeps
+CPT_EPOCHS[init]'s; constant lr after the warmup, so epoch E's folder does not depend on the run's length), and 07 on them:
 the geometry after CPT, before any SFT. They are not in the default variants (a random chain is 82-96 min, centroid ~41-48):
     python scripts/study.py --seeds 0 --results-dir results/cpt \
         --variants random,centroid,random+cpt2,random+cpt8,centroid+cpt1,centroid+cpt2      (`make study-cpt`)
@@ -34,7 +34,6 @@ when they have been run; so a CPT piece writes its own results/cpt/<dataset>.md,
 Good run: one line per step with its time; results/<dataset>.md starts with the claims table.
 """
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -49,9 +48,10 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKBONE = "models/SmolLM2-135M-Instruct"
-_spec = importlib.util.spec_from_file_location("eval06", os.path.join(REPO, "06_eval.py"))
-ev = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ev)                      # 06's per_user_metrics and paired_bootstrap
+sys.path.insert(0, REPO)
+from common import load_step  # noqa: E402
+
+ev = load_step("06_eval")                         # 06's per_user_metrics and paired_bootstrap
 
 # ---------------------------------------------------------------------------------------------------
 # The variants. tokenizer: rqvae = 02's default (RQ-VAE + TIGER's collision suffix), rqkmeans = the centroid
@@ -101,7 +101,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help="comma-separated names from VARIANTS (default: all but the +cpt ones)")
     p.add_argument("--cpt-only", action="store_true", help="only the CPT chains of the +cpt variants (no SFT)")
-    p.add_argument("--exact", action="store_true", help="also 06 --search exact for seed 0 (~9 min per variant)")
+    p.add_argument("--exact", action="store_true", help="also bench/exact_search.py (certified-exact top-20) for seed 0 (~9 min per variant)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its CPU time estimate; run nothing")
     p.add_argument("--report-only", action="store_true", help="run nothing; tables and figures from finished runs")
     p.add_argument("--keep-models", action="store_true", help="keep the weights (~0.5 GB per model folder)")
@@ -160,18 +160,18 @@ def step03(run, v, seed, dev):
 def step07(run, stage, model, name, dev):
     return Step(f"07_{stage}", "07_diagnose.py", [
         "--out-dir", run, "--models", model, "--names", name, "--save", os.path.join(run, f"diag_{stage}.json"),
-        "--no-figures", *dev], os.path.join(run, f"diag_{stage}.json"))
+        *dev], os.path.join(run, f"diag_{stage}.json"))
 
 
 def plan_cpt(a, init, seed):
-    """A CPT chain (shared by the +cpt variants of its init and seed): 03, one 04 --train all run that saves the
-    folders after each of CPT_EPOCHS[init] epochs, and 07 on the 03 folder and on each saved one."""
+    """A CPT chain (shared by the +cpt variants of its init and seed): 03, one 04 --train all run of max(CPT_EPOCHS[init])
+    epochs (04 saves a folder after every epoch), and 07 on the 03 folder and on the CPT_EPOCHS[init] ones."""
     run, dev, eps = cpt_dir(a, init, seed), ["--device", a.device], CPT_EPOCHS[init]
     model = os.path.join(run, "models", init)
     last = f"{model}+cpt{max(eps)}"
     steps = [step03(run, VARIANTS[init], seed, dev), step07(run, "cpt0", model, init, dev),
              Step("04c", "04_ground.py", ["--out-dir", run, "--model", model, "--train", "all", "--epochs", max(eps),
-                                          "--save-epochs", ",".join(map(str, eps)), "--save", last,
+                                          "--save", last,
                                           "--seed", seed, *dev], os.path.join(last, "04_ground.json"))]
     steps += [step07(run, f"cpt{e}", f"{model}+cpt{e}", init, dev) for e in eps]
     return [s._replace(args=[str(x) for x in s.args]) for s in steps]
@@ -197,11 +197,11 @@ def plan(a, variant, seed):
                    os.path.join(final, "05_sft.json")),
               step07(run, "sft", final, variant, dev),
               Step("06", "06_eval.py", ["--model", final, "--out-dir", run, "--protocol", "excluded",
-                                        "--cold-max", COLD_MAX, "--seed", seed, *dev],
+                                        "--cold-max", COLD_MAX, *dev],
                    os.path.join(final, "eval_test.json"))]
     if a.exact and seed == 0:
-        steps.append(Step("06x", "06_eval.py", ["--model", final, "--out-dir", run, "--protocol", "excluded",
-                                                "--cold-max", COLD_MAX, "--search", "exact", "--seed", seed, *dev],
+        steps.append(Step("06x", "bench/exact_search.py", ["--model", final, "--out-dir", run, "--protocol",
+                                                           "excluded", "--cold-max", COLD_MAX, *dev],
                           os.path.join(final, "eval_test_exact.json")))
     return [s._replace(args=[str(x) for x in s.args]) for s in steps]
 
@@ -323,7 +323,11 @@ def run_chain(a, init, seed):
     chain = cpt_dir(a, init, seed)
     if not a.dry_run:
         link_artifacts(tokenizer_dir(a, "rqvae"), chain)
-    return execute(a, plan_cpt(a, init, seed), os.path.join(chain, "logs"))
+    seconds = execute(a, plan_cpt(a, init, seed), os.path.join(chain, "logs"))
+    if not a.dry_run:                             # 04 saved every epoch: keep the CPT_EPOCHS ones (~0.5 GB each)
+        for e in set(range(1, max(CPT_EPOCHS[init]))) - set(CPT_EPOCHS[init]):
+            shutil.rmtree(os.path.join(chain, "models", f"{init}+cpt{e}"), ignore_errors=True)
+    return seconds
 
 
 def seed0_figures(a, res_variants):
@@ -343,6 +347,8 @@ def seed0_figures(a, res_variants):
                                               "--names", ",".join(v for v, _ in have), "--save", save,
                                               "--device", a.device],
                            os.path.join(a.work_dir, a.dataset, "logs", f"07_{tok}_{st}.log"))
+                run_script("scripts/figures.py", ["--diagnostics", save],
+                           os.path.join(a.work_dir, a.dataset, "logs", f"figures_{tok}_{st}.log"))
             figs += [f"{os.path.splitext(save)[0]}_{k}.png" for k in ("cosine", "spectra", "popularity")]
     return [f for f in figs if os.path.exists(f)]
 

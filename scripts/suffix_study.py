@@ -14,10 +14,11 @@ against the former default, each from 03 through the first --stop-at steps of 05
                    formerly 03 --suffix-rows random, the same rows)
 
 Reported per config and seed: validation loss and per-level accuracy (a / b / c / d) at every
-validation, from the resume checkpoint 05 leaves at --stop-at (its `state`). Finished runs are skipped.
+validation up to step --stop-at, read from 05_sft.json (05 runs its whole schedule: the curve up to a step does
+not depend on where the run ends). Finished runs are skipped.
 Writes results/<dataset>_suffix.md and .json.
 
-CPU:  python scripts/suffix_study.py                 (3 configs x 2 seeds x 66 steps: ~20 min on 2 cores)
+CPU:  python scripts/suffix_study.py                 (3 configs x 2 seeds x 220 steps: ~65 min on 2 cores)
 """
 import argparse
 import json
@@ -79,17 +80,15 @@ def run_one(a, src, config, seed):
     t0 = time.time()
     base, save = os.path.join(work, "models", "centroid"), os.path.join(work, "models", "centroid+sft")
     expand_vocab(work, a.backbone, config, seed)
-    sh("05_sft.py", "--model", base, "--save", save, "--out-dir", work, "--eval-every", a.eval_every,
-       "--stop-at", a.stop_at, "--seed", seed, "--no-resume")
-    ckpt = save + ".resume.pt"
-    state = torch.load(ckpt, weights_only=True, mmap=True)["state"]   # only the loop state is read
+    sh("05_sft.py", "--model", base, "--save", save, "--out-dir", work, "--eval-every", a.eval_every, "--seed", seed)
+    j = json.load(open(os.path.join(save, "05_sft.json")))       # the whole schedule; read up to --stop-at
+    upto = lambda curve: [c for c in curve if c[0] <= a.stop_at]  # noqa: E731
     out = {"config": config, "seed": seed, "args_03": CONFIGS[config], "stop_at": a.stop_at,
-           "val_curve": state["val_curve"], "val_level_acc": state["val_level_acc"],
+           "val_curve": upto(j["val_curve"]), "val_level_acc": upto(j["val_level_acc"]),
            "seconds": round(time.time() - t0, 1)}
     with open(done + ".tmp", "w") as f:
         json.dump(out, f, indent=2)
     os.replace(done + ".tmp", done)
-    os.remove(ckpt)                                                   # ~2.7 GB of weights per run
     shutil.rmtree(base)
     shutil.rmtree(save)
     return out
@@ -125,7 +124,7 @@ def main():
     p.add_argument("--backbone", default="models/SmolLM2-135M-Instruct")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--seeds", default="0,1")
-    p.add_argument("--stop-at", type=int, default=66, help="05 stops after this step of its 220-step schedule")
+    p.add_argument("--stop-at", type=int, default=66, help="report the curves up to this step of 05's 220-step schedule")
     p.add_argument("--eval-every", type=int, default=22)
     p.add_argument("--work-dir", default="runs/suffix")
     p.add_argument("--results-dir", default="results")

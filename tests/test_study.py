@@ -231,14 +231,14 @@ def test_dry_run_passes_only_listed_flags(tmp_path):
                 assert re.search(re.escape(x) + r"\b", helps[script]), f"{script} {x}"
     count = lambda s: sum(1 for l in lines if l[0] == s)
     assert count("05_sft.py") == 22 and count("04_ground.py") == 6 and count("03_expand_vocab.py") == 22
-    assert count("06_eval.py") == 22 + 11 and sum("exact" in l for l in lines) == 11   # --exact: seed 0 only
+    assert count("06_eval.py") == 22 and count("bench/exact_search.py") == 11              # --exact: seed 0 only
     assert sum("--aux-tasks" in l for l in lines) == 2 and sum("rqkmeans" in l for l in lines) == 1
     for l in lines:
         if l[0] == "03_expand_vocab.py" and l[l.index("--init") + 1] in ("centroid", "shuffled"):
             assert l[l.index("--centroid-scale") + 1] == "level"
         if l[0] == "05_sft.py":
             assert l[l.index("--eval-every") + 1] == "44"
-        if l[0] == "06_eval.py":
+        if l[0] in ("06_eval.py", "bench/exact_search.py"):
             assert l[l.index("--cold-max") + 1] == "25" and l[l.index("--protocol") + 1] == "excluded"
     est = float(re.search(r"estimated CPU time of this piece: ([\d.]+) h", r.stdout).group(1))
     assert 4.5 < est < 9                                   # two seeds of 11 variants + 11 exact searches
@@ -328,7 +328,8 @@ def test_killed_piece_resumes(tmp_path, monkeypatch):
     calls.clear()
     monkeypatch.setattr(study, "run_script", fake_step(calls, kill=""))
     study.main(argv)                                                  # the same command again
-    steps = [c[0] for c in calls if "--names" not in c[1] or "," not in c[1][c[1].index("--names") + 1]]
+    steps = [c[0] for c in calls if c[0] != "scripts/figures.py" and
+             ("--names" not in c[1] or "," not in c[1][c[1].index("--names") + 1])]
     assert steps[:3] == ["05_sft.py", "07_diagnose.py", "06_eval.py"]  # only what mean+gti had left
     assert "--resume" in calls[0][1]
     assert [c[0] for c in calls[3:8]] == ["03_expand_vocab.py", "07_diagnose.py", "05_sft.py", "07_diagnose.py",
@@ -361,7 +362,8 @@ def test_cpt_chain_runs_once_per_init_and_seed(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(study, "run_script", fake_step(calls, kill=""))
     study.main(["--variants", "random+cpt2,random+cpt8"] + base)
-    calls[:] = [c for c in calls if "--names" not in c[1] or "," not in c[1][c[1].index("--names") + 1]]
+    calls[:] = [c for c in calls if c[0] != "scripts/figures.py" and
+                ("--names" not in c[1] or "," not in c[1][c[1].index("--names") + 1])]
     names = [c[0] for c in calls]                                     # (without the seed-0 figures' 07)
     assert names == ["01_embed_items.py", "02_rqvae.py", "03_expand_vocab.py"] + ["07_diagnose.py"] + \
         ["04_ground.py"] + ["07_diagnose.py"] * 4 + ["05_sft.py", "07_diagnose.py", "06_eval.py"] * 2
@@ -369,7 +371,7 @@ def test_cpt_chain_runs_once_per_init_and_seed(tmp_path, monkeypatch):
     chain = os.path.join(study.cpt_dir(a, "random", 0), "models", "random")
     g = calls[4][1]
     assert g[g.index("--train") + 1] == "all" and g[g.index("--epochs") + 1] == "8"
-    assert g[g.index("--save-epochs") + 1] == "1,2,4,8"
+    assert "--save-epochs" not in g                                   # 04 saves every epoch
     assert [c[1][c[1].index("--model") + 1] for c in calls if c[0] == "05_sft.py"] == [chain + "+cpt2", chain + "+cpt8"]
     assert os.path.exists(os.path.join(study.final_model(a, "random+cpt2", 0), "eval_test.json"))
     md = open(os.path.join(tmp_path / "r", "ml-100k.md")).read()
