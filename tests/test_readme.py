@@ -20,11 +20,11 @@ def test_readme_blocks_equal_the_generated_files():
     assert readme.count("<!-- from ") >= 2 and len(readme.splitlines()) <= 250
 
 
-def test_docstrings_short_and_lines_within_100_columns():
+def test_docstrings_short_and_lines_within_120_columns():
     for s in SCRIPTS:
         src = open(os.path.join(REPO, s)).read()
         assert len(ast.get_docstring(ast.parse(src)).splitlines()) <= 35, s
-        assert max(map(len, src.splitlines())) <= 100, s
+        assert max(map(len, src.splitlines())) <= 120, s          # the whole repository's limit
 
 
 def test_nothing_points_outside_the_repository():
