@@ -1,24 +1,22 @@
 """Step 5: supervised fine-tuning (SFT) of the whole model on next-item prediction in SID tokens.
 
-Paper step: the recommendation task of both papers (TIGER-style generative retrieval; GTI, Chen et al.
-2026, sec. 4.3 "standard SFT"; centroid init, Loveland et al. 2026, sec. 5); `--aux-tasks` adds LC-Rec's
-item text <-> SID tasks (Zheng et al. 2024; GTI's LC-Rec baseline). Rows (--objective): see build_examples.
-    loss = - (1/#targets) sum_{target tokens t} log p(x_t | x_<t)
+Paper step: the recommendation task of both papers (TIGER-style generative retrieval; GTI, Chen et al. 2026, sec. 4.3
+"standard SFT"; centroid init, Loveland et al. 2026, sec. 5); `--aux-tasks` adds LC-Rec's item text <-> SID tasks
+(Zheng et al. 2024). The rows: build_examples.    loss = - (1/#targets) sum_{target tokens t} log p(x_t | x_<t)
 Both papers normalize a target over the vocabulary V (`--softmax full`): log p(y) = z_y - logsumexp_{v in V} z_v.
 The default `--softmax level` normalizes a SID target over its own level's codes only (docs/design.md: not
 worse, val NDCG@10 +0.008 [+0.002, +0.014] over full, and 1.1x the target items/s on sequence rows):
     log p(y) = z_y - logsumexp_{v in level(y)} z_v                 (06 ranks with the same softmax)
 The validation item (s_u[-2]) picks the best checkpoint (lowest validation loss); the test item is never read.
 
-Reads:  --model (a 03/04 folder: model + tokenizer + sid_vocab.json), <out-dir>/dataset.pt.
-Writes: --save (default <model>+sft): the best model + sid_vocab.json + sft_config.json (read by 06) +
-        05_sft.json (curves, best step, seconds); <save>.resume.pt at each validation (removed at the end);
-        with --keep-checkpoints, every validation's model in <save>.checkpoints/step_<N>/.
+Reads --model (a 03/04 folder), <out-dir>/dataset.pt. Writes --save (default <model>+sft): the best model,
+sft_config.json (read by 06), 05_sft.json, <save>.resume.pt while training, with --keep-checkpoints every
+validation's model in <save>.checkpoints/step_<N>/ (their fields: docs/artifacts.md).
 CPU:  python 05_sft.py --model out/ml-100k/models/centroid+gti
 GPU:  python 05_sft.py --model out/ml-100k/models/centroid+gti --device cuda --epochs 10 --batch-size 64 \
           --lr 3e-4 --warmup 100 --eval-every 200 --val-examples 0    (torchrun --nproc_per_node=4: DDP)
-A good run prints "step 50/300 | loss 2.91 | lr 1.9e-04 | ..." every --log-every steps, "step 110/220 | val loss
-..." every --eval-every steps, and "best step ... val loss ..." at the end.
+Prints "step 50/300 | loss 2.91 | lr 1.9e-04 | ..." every --log-every steps, "step 110/220 | val loss ..." at each
+validation and "best step ... val loss ..." at the end.
 """
 import argparse
 import enum
@@ -41,8 +39,6 @@ AUX_TEXT_TOKENS = 32          # an auxiliary row keeps the first 32 tokens of th
 MIN_LR_FRAC = 0.1             # the cosine schedule ends at lr * MIN_LR_FRAC
 WEIGHT_DECAY = 0.01           # AdamW, on the matrices only
 CLIP = 1.0                    # gradient-norm clipping
-RESUME_KEYS = ("model", "objective", "softmax", "max_history", "aux_tasks", "aux_ratio", "steps", "epochs",
-               "batch_size", "grad_accum", "lr", "warmup", "eval_every", "val_examples", "dtype", "seed")
 
 
 def parse_args(argv=None):
@@ -51,8 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--save", default="", help="output folder (empty: <model>+sft)")
     p.add_argument("--out-dir", default="", help="folder with dataset.pt (empty: two levels above --model)")
     p.add_argument("--objective", default="sequence", choices=["sequence", "prompt"], help="see build_examples")
-    p.add_argument("--softmax", default="level", choices=["full", "level"],
-                   help="full: the papers' softmax over the vocabulary; level: over the target level's codes")
+    p.add_argument("--softmax", default="level", choices=["full", "level"], help="over V (the papers') or y's level")
     p.add_argument("--max-history", type=pos_int, default=20, help="history items before a target")
     p.add_argument("--aux-tasks", action=argparse.BooleanOptionalAction, default=False, help="LC-Rec's text <-> SID")
     p.add_argument("--aux-ratio", type=float, default=0.25, help="auxiliary rows per recommendation row")
@@ -125,12 +120,9 @@ def build_examples(train, num_items: int, objective: str, max_history: int, aux_
         rec = [(Kind.WINDOW, u, e) for u, s in enumerate(train) for e in range(len(s), 1, -max_history)]
     else:
         rec = [(Kind.PROMPT_ROW, u, i) for u, s in enumerate(train) for i in range(1, len(s))]
-    aux = []
-    if aux_ratio > 0:
-        g = torch.Generator().manual_seed(seed)
-        pick = torch.randint(0, 2 * num_items, (round(aux_ratio * len(rec)),), generator=g).tolist()
-        aux = [(Kind.SID_TO_TEXT if p % 2 else Kind.TEXT_TO_SID, p // 2, 0) for p in pick]  # item x direction
-    return rec, aux
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randint(0, 2 * num_items, (round(aux_ratio * len(rec)),), generator=g).tolist()
+    return rec, [(Kind.SID_TO_TEXT if p % 2 else Kind.TEXT_TO_SID, p // 2, 0) for p in pick]  # item x direction
 
 
 class RowBuilder:
@@ -189,10 +181,8 @@ def stream_batch(n: int, offset: int, size: int, seed: int):
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
     """Multiplier of --lr at `step`: linear warmup, then cosine down to MIN_LR_FRAC."""
-    if step < warmup:
-        return (step + 1) / warmup
     cos = 1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))    # 2 -> 0
-    return MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * cos
+    return (step + 1) / warmup if step < warmup else MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * cos
 
 
 # --- main: rows -> loss -> one loop (validation, best save, resume state) -> 05_sft.json --------------
@@ -219,20 +209,18 @@ def main():
     log(f"device {device}  world {world}  {dtype_note}  model {args.model}")
 
     # rows: training examples from the train parts only; validation: a fixed random subset of the users
-    model, tok, vocab, data, _, item_tok, _ = load_sid_model(args.model, out_dir, "cpu")
-    train, valid = data["train"], data["valid"].tolist()
+    model, tok, vocab, data, _, item_tok, _ = load_sid_model(args.model, out_dir, device)
+    train, val_seqs = data["train"], [s + [v] for s, v in zip(data["train"], data["valid"].tolist())]  # + s_u[-2]
     rec, aux = build_examples(train, len(item_tok), args.objective, args.max_history,
                               args.aux_ratio if args.aux_tasks else 0.0, args.seed)
     if not rec:
         die(f"{out_dir}/dataset.pt has no training positions (train parts shorter than 2 items)")
     examples, rows = rec + aux, RowBuilder(tok, args.objective, item_tok, data["texts"], train, args.max_history)
     users = [u for u in range(len(train)) if len(train[u]) > 0]         # a validation row needs a history
-    if args.val_examples and args.val_examples < len(users):
-        pick = torch.randperm(len(users), generator=torch.Generator().manual_seed(args.seed))
-        users = sorted(users[i] for i in pick[:args.val_examples].tolist())
-    val = RowBuilder(tok, args.objective, item_tok, data["texts"], [s + [v] for s, v in zip(train, valid)],
-                     args.max_history)                  # a validation row: the prompt row of the validation item
-    val_rows = [val.row((Kind.PROMPT_ROW, u, len(train[u]))) for u in users]
+    pick = torch.randperm(len(users), generator=torch.Generator().manual_seed(args.seed))[:args.val_examples or None]
+    users = sorted(users[i] for i in pick.tolist())                     # --val-examples of them (0: all)
+    val = RowBuilder(tok, args.objective, item_tok, data["texts"], val_seqs, args.max_history)
+    val_rows = [val.row((Kind.PROMPT_ROW, u, len(train[u]))) for u in users]   # the prompt row of item s_u[-2]
     positions = vocab["level_names"] + ([] if args.objective == "sequence" else ["eos"])   # K tokens per target
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     per_step = args.batch_size * args.grad_accum                       # examples per optimizer step
@@ -242,14 +230,14 @@ def main():
         f"target items), val {len(users)}  steps {total} x {per_step} ({total * per_step / len(examples):.2f} epochs)")
 
     # loss: the LM inside SIDLoss; AdamW (weight decay on the matrices only), warmup then cosine
-    model.to(device)
     loss_model = SIDLoss(model, args.softmax, [torch.tensor(t) for t in vocab["token_ids"]]).to(device).train()
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type in ("cuda", "cpu"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, args.warmup, total))
     state = dict(step=0, best_val=math.inf, best_step=-1, loss_curve=[], val_curve=[], val_level_acc=[], seconds=0.0)
-    key = {**{k: getattr(args, k) for k in RESUME_KEYS}, "examples": len(examples), "world size": world}
+    free = ("save", "out_dir", "log_every", "resume", "keep_checkpoints", "device")    # may change on --resume
+    key = {k: v for k, v in vars(args).items() if k not in free} | {"examples": len(examples), "world size": world}
     if args.resume:                 # model, optimizer, schedule and `state` as at the last validation
         ck = load_pt(resume_path, "a finished run removes it; run without --resume")
         if diff := [k for k in key if ck.get("key", {}).get(k) != key[k]]:
@@ -282,12 +270,11 @@ def main():
             state["val_level_acc"].append([step, [round(x, 4) for x in vpos]])
             if better := vloss < state["best_val"]:
                 state["best_val"], state["best_step"] = vloss, step
-                if master:
-                    save_folder(save, model, tok, files)
+            for dst in [save] * better + [f"{save}.checkpoints/step_{step}"] * args.keep_checkpoints:
+                if master:                                       # the best model; every one with --keep-checkpoints
+                    save_folder(dst, model, tok, files)
             log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f} (" + " ".join(
                 f"{n} {x:.2f}" for n, x in zip(positions, vpos)) + ")" + (" | best, saved" if better else ""))
-            if master and args.keep_checkpoints:
-                save_folder(f"{save}.checkpoints/step_{step}", model, tok, files)
             if master and 0 < step < total:                      # the state --resume continues from
                 ck = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                       "state": state, "key": key}
@@ -299,18 +286,16 @@ def main():
         # divided by the target tokens of the whole step over all processes (DDP = one process's gradient)
         offsets = [(step * args.grad_accum + micro) * args.batch_size + rank * per_rank
                    for micro in range(args.grad_accum)]
-        batches = [collate([rows.row(examples[i]) for i in stream_batch(len(examples), o, per_rank, args.seed)],
-                           pad_id) for o in offsets]
+        batches = [collate([rows.row(examples[i]) for i in stream_batch(len(examples), o, per_rank, args.seed)], pad_id)
+                   for o in offsets]
         n = torch.tensor([float(sum(int((b[3] != IGNORE).sum()) for b in batches))], device=device)
         tot = torch.zeros(1, dtype=torch.float64, device=device)        # summed loss of this step
         if ddp:
             dist.all_reduce(n)                                 # target tokens of the step, all processes
-        for micro, batch in enumerate(batches):
-            ids, mask, pos, labels = (x.to(device) for x in batch)
-            last = micro == args.grad_accum - 1                # DDP all-reduces the gradients on the last
-            with train_model.no_sync() if ddp and not last else nullcontext():
+        for micro, batch in enumerate(batches):                # DDP all-reduces the gradients on the last only
+            with train_model.no_sync() if ddp and micro < args.grad_accum - 1 else nullcontext():
                 with ctx:
-                    loss, _ = train_model(ids, mask, pos, labels)
+                    loss, _ = train_model(*(x.to(device) for x in batch))          # summed CE, (ids, mask, pos, labels)
                 (loss * world / n[0]).backward()               # DDP averages over processes: sum / targets
             tot += loss.detach().double()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -327,19 +312,18 @@ def main():
                 f"lr {sched.get_last_lr()[0]:.2e} | gnorm {gnorm:.2f} | {ms:.0f} ms/step")
             t_log = time.time()
 
-    # save: 05_sft.json beside the best model; the resume state is no longer needed
-    if master:
+    if master:                                                 # 05_sft.json beside the best model
         if not os.path.isdir(save):
             die(f"no checkpoint was saved to {save} (validation loss never finite)")
         s_per_step = round(state["seconds"] / max(1, state["step"]), 3)
         write_json(os.path.join(save, "05_sft.json"), {
             "loss_curve": state["loss_curve"], "val_curve": state["val_curve"], "best_step": state["best_step"],
-            "val_level_acc": state["val_level_acc"], "val_level_names": positions,
-            "best_val_loss": state["best_val"], "steps": total, "examples": len(rec), "target_items": targets,
-            "aux_examples": len(aux), "val_examples": len(users), "world_size": world,
-            "batch_size": args.batch_size, "grad_accum": args.grad_accum, "seconds": round(state["seconds"], 1),
-            "s_per_step": s_per_step, "device": str(device), "autocast": dtype_note, "args": vars(args)})
-        if os.path.exists(resume_path):
+            "val_level_acc": state["val_level_acc"], "val_level_names": positions, "best_val_loss": state["best_val"],
+            "steps": total, "examples": len(rec), "target_items": targets, "aux_examples": len(aux),
+            "val_examples": len(users), "world_size": world, "batch_size": args.batch_size,
+            "grad_accum": args.grad_accum, "seconds": round(state["seconds"], 1), "s_per_step": s_per_step,
+            "device": str(device), "autocast": dtype_note, "args": vars(args)})
+        if os.path.exists(resume_path):                        # the finished run needs no resume state
             os.remove(resume_path)
         log(f"best step {state['best_step']} val loss {state['best_val']:.4f}  ({s_per_step:.2f} s/step)  saved {save}")
     if ddp:
