@@ -13,10 +13,8 @@ frequency, not semantics; neighbour purity), on each model's SID rows, per level
   purity      item vector = mean of its SID rows; share of its 10 nearest items (cosine) in its
               category, vs item_emb.npy, random Gaussian SID rows and chance (null when collapsed)
 
-Reads  <out-dir>/dataset.pt, item_emb.npy, sids.npy, centroids.pt, rqvae.pt (01-02) and model
-       folders (default: every <out-dir>/models/* with sid_vocab.json, from 03-05)
-Writes <out-dir>/diagnostics.json (or --save); its figures (spectra, cosine heatmaps, popularity):
-      python scripts/figures.py --diagnostics out/ml-100k/diagnostics.json
+Reads  <out-dir>/dataset.pt, item_emb.npy, sids.npy, centroids.pt, rqvae.pt (01-02), model folders (03-05)
+Writes <out-dir>/diagnostics.json (or --save); figures: python scripts/figures.py --diagnostics <that json>
 CPU:  python 07_diagnose.py --out-dir out/ml-100k                      (seconds)
 GPU:  python 07_diagnose.py --out-dir out/ml-100k --device cuda        (for the purity search)
 Good run: a line per model, e.g. `random  erank 480.1  rsa_cent 0.02  pop|rho| 0.05  purity 0.31`;
@@ -31,55 +29,40 @@ import torch
 
 from common import Parser, die, load_json, load_npy, load_pt, pick_device, write_json
 
-PURITY_K = 10           # nearest neighbours of an item for semantic purity
-PROBE_FOLDS = 5         # folds of the popularity probe (and of its inner CV for lambda)
-COLLAPSE_RTOL = 1e-3    # collapsed: ||X - mean||_F <= rtol ||X||_F; float noise: s_i <= rtol s_1
+PURITY_K, PROBE_FOLDS = 10, 5   # neighbours of an item for its purity; folds of the popularity probe (and inner CV)
+COLLAPSE_RTOL = 1e-3            # collapsed: ||X - mean||_F <= rtol ||X||_F; float noise: s_i <= rtol s_1
 
 
 def parse_args(argv=None):
     p = Parser(__doc__)
     p.add_argument("--out-dir", default="", help="artifacts folder of 01-02; empty: out/<dataset>")
     p.add_argument("--dataset", default="ml-100k", help="only picks the default --out-dir")
-    p.add_argument("--models", default="",
-                   help="comma-separated model folders (or names under <out-dir>/models); "
-                        "empty: every one with sid_vocab.json")
+    p.add_argument("--models", default="", help="comma-separated model folders (or names under "
+                   "<out-dir>/models); empty: every one with sid_vocab.json")
     p.add_argument("--names", default="", help="comma-separated labels for --models; empty: dirs")
     p.add_argument("--save", default="", help="JSON to write; empty: <out-dir>/diagnostics.json")
-    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda", "mps"],
-                   help="for the nearest-neighbour search of the purity (the rest is numpy)")
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda", "mps"], help="the purity's kNN search")
     p.add_argument("--seed", type=int, default=0, help="seeds the random rows and the probe folds")
     return p.parse_args(argv)
 
 
 # --- The diagnostics' math: spectrum, cosines, RSA, popularity probe, purity ----------------------
 def spectrum(X: np.ndarray, center: bool = True, rtol: float = COLLAPSE_RTOL):
-    """Spectrum: singular values, effective rank exp(H(p)), p_i = s_i / sum_j s_j, top-1 share.
-    Collapsed rows (mean init, also with transformers' 1e-9-covariance noise) have no direction:
-    effective rank 1 (a point mass), top-1 share 1. Else s_i <= rtol * s_1 are float noise."""
+    """Singular values, effective rank exp(H(p)), p_i = s_i / sum_j s_j, top-1 share. Collapsed rows (mean init,
+    even with transformers' 1e-9-covariance noise) have no direction: effective rank 1, top-1 share 1."""
     Xc = X - X.mean(0, keepdims=True) if center else X                # (n, d)
     if np.linalg.norm(Xc) <= rtol * np.linalg.norm(X):
-        return {"effective_rank": 1.0, "top1_var_share": 1.0, "collapsed": True,
-                "singular_values": []}
+        return {"effective_rank": 1.0, "top1_var_share": 1.0, "collapsed": True, "singular_values": []}
     s = np.linalg.svd(Xc, compute_uv=False)                            # (min(n, d),)
-    s = s[s > rtol * s[0]]
+    s = s[s > rtol * s[0]]                                             # the rest is float noise
     p = s / s.sum()                                                    # p_i = s_i / sum s
     return {"effective_rank": float(np.exp(-(p * np.log(p)).sum())),  # exp(H(p))
-            "top1_var_share": float(s[0] ** 2 / (s ** 2).sum()), "collapsed": False,
-            "singular_values": s.tolist()}
+            "top1_var_share": float(s[0] ** 2 / (s ** 2).sum()), "collapsed": False, "singular_values": s.tolist()}
 
 
 def cosine_matrix(X: np.ndarray) -> np.ndarray:
     Xn = X / np.maximum(np.linalg.norm(X, axis=1, keepdims=True), 1e-12)
     return Xn @ Xn.T                                                   # (n, n)
-
-
-def majority_parent(sids: np.ndarray, level: int, codes: np.ndarray):
-    """Parent of code k at `level`: the most frequent level-1 code of its items; and its share."""
-    parent, share = np.zeros(len(codes), int), np.zeros(len(codes))
-    for j, k in enumerate(codes):
-        c = np.bincount(sids[sids[:, level] == k, level - 1])
-        parent[j], share[j] = c.argmax(), c.max() / c.sum()
-    return parent, share
 
 
 def pair_means(C: np.ndarray, groups: np.ndarray):
@@ -126,16 +109,14 @@ def ridge_predict(Xtr, ytr, Xte, lambdas):
     return np.stack([KteU @ (Uy / (np.clip(e, 0, None) + lam * len(ytr))) + ym for lam in lambdas])
 
 
-def ridge_probe_r2(X: np.ndarray, y: np.ndarray, folds: int = PROBE_FOLDS, seed: int = 0,
-                   lambdas=(1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3, 1e4)):
-    """Out-of-fold R^2 = 1 - SS_res / SS_tot of a ridge probe, lambda (x n_train) by an inner k-fold
-    on each training part only. None when n < 2 * folds or y is constant."""
+def ridge_probe_r2(X, y, folds=PROBE_FOLDS, seed=0, lambdas=(1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3, 1e4)):
+    """Out-of-fold R^2 = 1 - SS_res / SS_tot of a ridge probe, lambda (x n_train) by an inner k-fold on each
+    training part only. None when n < 2 * folds or y is constant."""
     n = len(y)
     if n < 2 * folds or np.ptp(y) == 0:
         return None
     perm, pred = np.random.default_rng(seed).permutation(n), np.empty(n)
-    split = lambda idx, f: (idx[f::folds],                              # (test part, the rest)
-                            np.concatenate([idx[g::folds] for g in range(folds) if g != f]))
+    split = lambda idx, f: (idx[f::folds], np.concatenate([idx[g::folds] for g in range(folds) if g != f]))
     for f in range(folds):
         te, tr = split(perm, f)
         err = np.zeros(len(lambdas))
@@ -168,8 +149,7 @@ def load_step_artifacts(out: str):
     cents = load_pt(os.path.join(out, "centroids.pt"), "run 02_rqvae.py first")
     rq = load_pt(os.path.join(out, "rqvae.pt"), "run 02_rqvae.py first")
     try:
-        data = {"sids": sids, "pop": ds["popularity"].numpy().astype(np.float64),
-                "category": ds["category"].numpy(),
+        data = {"sids": sids, "pop": ds["popularity"].numpy().astype(np.float64), "category": ds["category"].numpy(),
                 "centroids": [c.float().numpy() for c in cents["centroids"]],
                 "codebooks": [c.float().numpy() for c in rq["codebooks"]]}
     except (KeyError, AttributeError, TypeError) as e:
@@ -185,31 +165,10 @@ def load_step_artifacts(out: str):
     return ds, item_emb, data
 
 
-def model_folders(a, out: str, n_items: int):
-    """The folders to diagnose (--models, or every <out>/models/* with sid_vocab.json), labels."""
-    root = os.path.join(out, "models")
-    if a.models:
-        folders = [m if os.path.isdir(m) or os.sep in m else os.path.join(root, m)
-                   for m in a.models.split(",")]
-    else:
-        folders = sorted(os.path.join(root, m) for m in (os.listdir(root) if os.path.isdir(root)
-                         else []) if os.path.exists(os.path.join(root, m, "sid_vocab.json")))
-        if not folders:
-            die(f"no model folder with sid_vocab.json under {root}; run 03_expand_vocab.py first")
-    if PURITY_K >= n_items:
-        die(f"purity needs more than {PURITY_K} items (its neighbours); {out} has {n_items}")
-    labels = a.names.split(",") if a.names else [os.path.basename(os.path.normpath(f))
-                                                 for f in folders]
-    if len(labels) != len(folders) or len(set(labels)) != len(labels):
-        die(f"--names must give {len(folders)} distinct labels, one per model (got {labels})")
-    return folders, labels
-
-
 def load_embedding(folder: str) -> np.ndarray:
     """The input-embedding matrix (V, d) as float32, read from safetensors without the model."""
     from safetensors import safe_open
-    for path in [os.path.join(folder, f) for f in sorted(os.listdir(folder))
-                 if f.endswith(".safetensors")]:
+    for path in [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]:
         try:
             with safe_open(path, framework="pt") as f:
                 keys = [k for k in f.keys() if "embed_tokens" in k]
@@ -221,28 +180,23 @@ def load_embedding(folder: str) -> np.ndarray:
 
 
 def load_model_rows(folder: str, sids: np.ndarray):
-    """sid_vocab.json (checked against sids.npy), its token ids as rows of the SID rows E[ids]
-    (n_tokens, d) float64, and the norm and spread of 4000 sampled pretrained rows."""
+    """sid_vocab.json (checked against sids.npy), its ids remapped to rows of E[ids] (n_tokens, d), vocab stats"""
     path = os.path.join(folder, "sid_vocab.json")
-    if not os.path.exists(path):
-        die(f"{path} not found; give a folder written by 03_expand_vocab.py (or fix --models)")
-    voc = load_json(path, "rerun 03_expand_vocab.py")
+    voc = load_json(path, "give a folder written by 03_expand_vocab.py (or fix --models)")
     try:
         tok = [np.asarray(t, dtype=np.int64) for t in voc["token_ids"]]
         item_tok = np.asarray(voc["item_token_ids"], dtype=np.int64)    # (N, L+1)
     except (KeyError, TypeError, ValueError) as e:
         die(f"{path} lacks what 03_expand_vocab.py writes ({type(e).__name__}: {e}); rerun 03")
-    fits = item_tok.shape == sids.shape and len(tok) == sids.shape[1] and \
-        all(sids[:, l].max() < len(t) for l, t in enumerate(tok))
-    if not fits or not np.array_equal(np.stack([t[sids[:, l]] for l, t in enumerate(tok)], 1),
-                                      item_tok):
+    fits = item_tok.shape == sids.shape and len(tok) == sids.shape[1] and all(
+        sids[:, l].max() < len(t) for l, t in enumerate(tok))
+    if not fits or not np.array_equal(np.stack([t[sids[:, l]] for l, t in enumerate(tok)], 1), item_tok):
         die(f"{path} does not match sids.npy (different SIDs); rerun 03_expand_vocab.py after 02")
     E = load_embedding(folder)                                         # (V, d) float32
     if item_tok.max() >= len(E):
         die(f"{folder}: SID token id {item_tok.max()} >= embedding rows {len(E)}; inconsistent")
     ids = np.unique(np.concatenate([t[t >= 0] for t in tok]))          # SID token ids, sorted
-    other = np.setdiff1d(np.arange(len(E)), ids)                       # the pretrained (old) rows
-    other = E[np.random.default_rng(0).permutation(other)[:4000]].astype(np.float64)
+    other = E[np.random.default_rng(0).permutation(np.setdiff1d(np.arange(len(E)), ids))[:4000]].astype(np.float64)
     vocab = {"vocab_row_norm": float(np.linalg.norm(other, axis=1).mean()),
              "vocab_spread": float(np.sqrt(((other - other.mean(0)) ** 2).sum(1).mean()))}
     remap = lambda t: np.where(t >= 0, np.searchsorted(ids, t), -1)   # token id -> row of E[ids]
@@ -251,17 +205,15 @@ def load_model_rows(folder: str, sids: np.ndarray):
 
 # --- Diagnose one model's SID rows, per level and all together ------------------------------------
 def measure_rows(X, f, cent, book, seed, parent=None, lev=None):
-    """Diagnose: spectrum, norms, cosines, RSA and the popularity probe of rows X (n, d) whose
-    tokens have frequencies f. Returns (results, singular values, projection on PC1)."""
+    """Spectrum, norms, cosines, RSA, popularity of rows X (n, d), token frequencies f -> (results, s, PC1 proj)"""
     sp, C = spectrum(X), cosine_matrix(X)
-    book_lev = None if lev is None or book is None else lev[:len(book)]
     out = {"n": len(X), **{k: v for k, v in sp.items() if k != "singular_values"},
            "effective_rank_uncentered": spectrum(X, center=False)["effective_rank"],
            "row_norm": float(np.linalg.norm(X, axis=1).mean()),
            "spread": float(np.sqrt(((X - X.mean(0)) ** 2).sum(1).mean())),  # RMS distance to mean
            "mean_cos": float(C[~np.eye(len(C), dtype=bool)].mean()) if len(C) > 1 else None,
            "rsa_centroids": rsa(X, cent, lev),
-           "rsa_codebook": rsa(X[:len(book)], book, book_lev) if book is not None else None}
+           "rsa_codebook": None if book is None else rsa(X[:len(book)], book, None if lev is None else lev[:len(book)])}
     if parent is not None:
         out["cos_within_parent"], out["cos_across_parent"] = pair_means(C, parent)
     Xc, proj = X - X.mean(0), np.zeros(len(X))
@@ -275,21 +227,19 @@ def measure_rows(X, f, cent, book, seed, parent=None, lev=None):
 
 
 def diagnose(E, tok, item_tok, vocab, data, seed: int):
-    """E: the model's SID rows (n_tokens, d); tok / item_tok index into E. Returns (results,
-    figure data: scripts/figures.py draws it)."""
+    """E: the model's SID rows (n_tokens, d); tok / item_tok index into E. -> results, figure data"""
     sids, pop, cents, books = data["sids"], data["pop"], data["centroids"], data["codebooks"]
     codes = [np.flatnonzero(t >= 0) for t in tok]                      # used codes per level
     rows = [E[tok[l][c]] for l, c in enumerate(codes)]                 # (K_l, d)
-    freq = [np.bincount(sids[:, l], weights=pop, minlength=len(tok[l]))[c]
-            for l, c in enumerate(codes)]
+    freq = [np.bincount(sids[:, l], weights=pop, minlength=len(tok[l]))[c] for l, c in enumerate(codes)]
     per_level = {}
     for l, c in enumerate(codes):
-        parent, share = majority_parent(sids, l, c) if l > 0 else (None, None)
+        up = [np.bincount(sids[sids[:, l] == k, l - 1]) for k in c] if l > 0 else None  # level-(l-1) codes of k's items
+        parent = None if up is None else np.array([n.argmax() for n in up])            # k's parent: the majority
         book = books[l][c].astype(np.float64) if l < len(books) else None
-        cent = cents[l][c].astype(np.float64)
-        out, _, _ = measure_rows(rows[l], freq[l], cent, book, seed, parent)
+        out, _, _ = measure_rows(rows[l], freq[l], cents[l][c].astype(np.float64), book, seed, parent)
         if l > 0:
-            out["parent_share"] = float(share.mean())                  # how well "majority" fits
+            out["parent_share"] = float(np.mean([n.max() / n.sum() for n in up]))     # how well "majority" fits
         per_level[data["names"][l]] = out
     X, f = np.concatenate(rows), np.concatenate(freq)
     lev = np.concatenate([np.full(len(r), l) for l, r in enumerate(rows)])
@@ -297,50 +247,51 @@ def diagnose(E, tok, item_tok, vocab, data, seed: int):
     cent = np.concatenate([cents[l][c] for l, c in enumerate(codes)]).astype(np.float64)
     allb, s, proj = measure_rows(X, f, cent, book, seed, lev=lev)
     allb["cos_within_level"], allb["cos_across_level"] = pair_means(cosine_matrix(X), lev)
-    per_level["all"] = allb
-    V = E[item_tok].mean(1)                                            # item = mean SID row (N, d)
-    purity = None if allb["collapsed"] else knn_purity(V, data["category"], device=data["device"])
-    res = {"levels": per_level, "purity": purity, **vocab, "d_model": int(E.shape[1]),
-           "spread_ratio_vocab_over_sid": None if allb["collapsed"] else
-           vocab["vocab_spread"] / allb["spread"]}
+    purity = None if allb["collapsed"] else knn_purity(E[item_tok].mean(1), data["category"], device=data["device"])
+    res = {"levels": {**per_level, "all": allb}, "purity": purity, **vocab, "d_model": int(E.shape[1]),
+           "spread_ratio_vocab_over_sid": None if allb["collapsed"] else vocab["vocab_spread"] / allb["spread"]}
     return res, {"s": s, "proj": proj, "freq": f, "level": lev, "X": X}
 
 
-# --- main: artifacts -> references -> each model -> save ------------------------------------------
+# --- main: artifacts -> the models to diagnose -> references -> each model -> save ----------------
 def main():
     a = parse_args()
     t0 = time.time()
     out = a.out_dir or os.path.join("out", a.dataset)
     ds, item_emb, data = load_step_artifacts(out)
-    sids, cat = data["sids"], data["category"]
-    folders, labels = model_folders(a, out, len(sids))
+    sids, cat, root = data["sids"], data["category"], os.path.join(out, "models")
+    if a.models:
+        folders = [m if os.path.isdir(m) or os.sep in m else os.path.join(root, m) for m in a.models.split(",")]
+    else:                                                              # every <out>/models/* with sid_vocab.json
+        mine = sorted(os.listdir(root)) if os.path.isdir(root) else []
+        folders = [os.path.join(root, m) for m in mine if os.path.exists(os.path.join(root, m, "sid_vocab.json"))]
+        if not folders:
+            die(f"no model folder with sid_vocab.json under {root}; run 03_expand_vocab.py first")
+    if PURITY_K >= len(sids):
+        die(f"purity needs more than {PURITY_K} items (its neighbours); {out} has {len(sids)}")
+    labels = a.names.split(",") if a.names else [os.path.basename(os.path.normpath(f)) for f in folders]
+    if len(labels) != len(folders) or len(set(labels)) != len(labels):
+        die(f"--names must give {len(folders)} distinct labels, one per model (got {labels})")
     loaded = [(f, *load_model_rows(f, sids)) for f in folders]    # validate all before any work
-    names = data["names"] = loaded[0][1].get("level_names") or [chr(97 + l)
-                                                                for l in range(sids.shape[1])]
-    # references that do not depend on a model: item_emb.npy, random SID rows, chance
-    rand_rows = np.random.default_rng(a.seed).standard_normal(loaded[0][4].shape)  # row per token
-    chance, dev = np.bincount(cat)[cat], pick_device(a.device)
-    data["device"] = dev
+    names = data["names"] = loaded[0][1].get("level_names") or [chr(97 + l) for l in range(sids.shape[1])]
+    rand_rows = np.random.default_rng(a.seed).standard_normal(loaded[0][4].shape)  # reference: a row per token
+    dev = data["device"] = pick_device(a.device)
     reference = {"k": PURITY_K, "purity_item_emb": knn_purity(item_emb, cat, device=dev),
-                 "purity_random_sid_rows": knn_purity(rand_rows[loaded[0][3]].mean(1), cat,
-                                                      device=dev),
-                 "purity_chance": float(((chance - 1) / (len(cat) - 1)).mean())}
+                 "purity_random_sid_rows": knn_purity(rand_rows[loaded[0][3]].mean(1), cat, device=dev),
+                 "purity_chance": float(((np.bincount(cat)[cat] - 1) / (len(cat) - 1)).mean())}
     print(f"purity@{PURITY_K}: item_emb {reference['purity_item_emb']:.3f}  random SID rows "
           f"{reference['purity_random_sid_rows']:.3f}  chance {reference['purity_chance']:.3f}")
-    results = {}
-    f3 = lambda v: "  n/a" if v is None else f"{v:5.2f}"
+    results, f3 = {}, lambda v: "  n/a" if v is None else f"{v:5.2f}"
     for name, (folder, voc, tok, item_tok, E, vocab) in zip(labels, loaded):
         res, _ = diagnose(E, tok, item_tok, vocab, data, a.seed)
         results[name], al = {"path": folder, "init": voc.get("init"), **res}, res["levels"]["all"]
-        print(f"{name:<22} erank {al['effective_rank']:6.1f}  top1 {al['top1_var_share']:.2f}  "
-              f"mean_cos {f3(al['mean_cos'])}  rsa_cent {f3(al['rsa_centroids'])}  "
-              f"rsa_book {f3(al['rsa_codebook'])}  pop|rho| {f3(al['pop_spearman_abs'])}  "
-              f"probe_r2 {f3(al['pop_probe_r2'])}  purity {f3(res['purity'])}")
+        print(f"{name:<22} erank {al['effective_rank']:6.1f}  top1 {al['top1_var_share']:.2f}  mean_cos "
+              f"{f3(al['mean_cos'])}  rsa_cent {f3(al['rsa_centroids'])}  rsa_book {f3(al['rsa_codebook'])}  "
+              f"pop|rho| {f3(al['pop_spearman_abs'])}  probe_r2 {f3(al['pop_probe_r2'])}  purity {f3(res['purity'])}")
     save = a.save or os.path.join(out, "diagnostics.json")
     os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
-    summary = {"out_dir": out, "dataset": ds.get("dataset"), "num_items": int(len(sids)),
-               "level_names": names, "reference": reference, "models": results,
-               "seconds": round(time.time() - t0, 2)}
+    summary = {"out_dir": out, "dataset": ds.get("dataset"), "num_items": int(len(sids)), "level_names": names,
+               "reference": reference, "models": results, "seconds": round(time.time() - t0, 2)}
     write_json(save, summary)
     print(f"wrote {save} in {summary['seconds']:.1f}s")
 

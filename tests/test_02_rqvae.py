@@ -41,10 +41,10 @@ def test_residual_quantization_identity():
 def test_residual_norms_shrink_with_kmeans_codebooks():
     torch.manual_seed(0)
     model = Q.RQVAE(d=16, hidden=[32], latent=8, levels=3, k=16)
-    x = torch.randn(400, 16)
-    model.kmeans_init(x, iters=20, gen=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        _, _, res = Q.residual_quantize(model.encoder(x), model.codebooks)
+        z = model.encoder(torch.randn(400, 16))
+        codebooks = Q.rq_kmeans(z, 3, 16, 20, torch.Generator().manual_seed(0))[1]   # as train_rqvae's init
+        _, _, res = Q.residual_quantize(z, codebooks)
     norms = [r.norm(dim=1).mean().item() for r in res]
     assert all(b < a for a, b in zip(norms, norms[1:])), norms
 
@@ -62,15 +62,19 @@ def test_kmeans_recovers_blobs_and_is_deterministic():
         torch.testing.assert_close(c1[k], x[a1 == k].mean(0))
 
 
-def test_kmeans_init_sets_each_level_to_kmeans_of_its_residuals():
+def test_training_starts_from_kmeans_of_each_levels_residuals():
+    """train_rqvae with no step (steps = 0 set by hand) returns its init: every codeword is the mean of its cell
+    of the encoded items' level-l residuals (Lloyd's fixed point)."""
     torch.manual_seed(0)
+    args = Q.parse_args(["--levels", "2", "--latent-dim", "2", "--kmeans-iters", "30", "--batch-size", "150"])
+    args.steps, x = 0, torch.randn(150, 6)
+    _, books, _, _, _, state = Q.train_rqvae(args, x, 3, [16], torch.Generator().manual_seed(0))
     model = Q.RQVAE(d=6, hidden=[16], latent=2, levels=2, k=3)
-    x = torch.randn(150, 6)
-    model.kmeans_init(x, iters=30, gen=torch.Generator().manual_seed(0))
+    model.load_state_dict(state)
     with torch.no_grad():
         r = model.encoder(x)
         for l in range(2):
-            cb = model.codebooks[l]
+            cb = books[l]
             a = torch.cdist(r, cb).argmin(1)
             for k in range(3):                                         # converged: codeword = mean of its cell
                 if (a == k).any():

@@ -77,11 +77,24 @@ def test_knn_purity():
 
 
 def test_majority_parent_and_pair_means():
-    sids = np.array([[0, 0], [0, 0], [1, 0], [1, 1], [1, 1]])
-    parent, share = diag.majority_parent(sids, 1, np.array([0, 1]))
-    assert parent.tolist() == [0, 1] and share.tolist() == pytest.approx([2 / 3, 1.0])
     C = np.array([[1, .9, .1], [.9, 1, .2], [.1, .2, 1]])
     assert diag.pair_means(C, np.array([0, 0, 1])) == pytest.approx((0.9, 0.15))
+    # diagnose: the parent of level-1 code k is the most frequent level-0 code of its items (first on ties)
+    a = np.array([0, 0, 0, 1, 2, 2, 2, 1, 0, 0, 1, 1])                     # level-0 codes of 12 items
+    b = np.repeat([0, 1, 2], 4)                                               # level-1 codes: parents 0, 2, 0
+    sids, g = np.stack([a, b], 1), np.random.default_rng(0)
+    tok = [np.arange(3), np.arange(3, 6)]                                     # rows of E: a_0..a_2, b_0..b_2
+    E = g.standard_normal((6, 8))
+    data = {"sids": sids, "pop": np.ones(12), "category": a, "names": ["a", "b"], "device": "cpu",
+            "centroids": [g.standard_normal((3, 4)) for _ in range(2)],
+            "codebooks": [g.standard_normal((3, 4)) for _ in range(2)]}
+    item_tok = np.stack([tok[0][a], tok[1][b]], 1)
+    res, _ = diag.diagnose(E, tok, item_tok, {"vocab_row_norm": 1.0, "vocab_spread": 1.0}, data, 0)
+    lev_b, C = res["levels"]["b"], diag.cosine_matrix(E[3:])
+    assert lev_b["parent_share"] == pytest.approx((0.75 + 0.75 + 0.5) / 3)  # share of the majority, mean over k
+    assert lev_b["cos_within_parent"] == pytest.approx(C[0, 2])             # b_0 and b_2 share parent 0
+    assert lev_b["cos_across_parent"] == pytest.approx((C[0, 1] + C[1, 2]) / 2)
+    assert "parent_share" not in res["levels"]["a"]
 
 
 # --- the script on tiny model folders ------------------------------------------------------------
