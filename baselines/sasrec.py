@@ -91,6 +91,14 @@ def save_npy(path: str, arr: np.ndarray):
         np.save(f, arr)
 
 
+def markdown_table(rows):
+    """rows: [(name, {metric: value})] -> a markdown table, one row per name (06 prints the same layout)."""
+    keys = list(rows[0][1].keys())
+    lines = ["| | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(f"{m[k]:.4f}" for k in keys) + " |" for name, m in rows]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------------------
@@ -199,7 +207,7 @@ def main():
     missing = [f for f in ("train", "valid", "test", "sequences", "popularity", "item_ids") if f not in data]
     if missing:
         die(f"{args.out_dir}/dataset.pt lacks {', '.join(missing)}; rerun 01_embed_items.py")
-    ev = load_step("06_eval")                  # 06's rank_metrics, popular_topk and markdown_table
+    ev = load_step("06_eval")                  # 06's rank_metrics and popular_topk
     n, train = len(data["item_ids"]), data["train"]
     valid, test, pop = data["valid"].numpy(), data["test"].numpy(), data["popularity"].numpy()
     x, y = train_windows(train, args.max_len)
@@ -273,7 +281,7 @@ def main():
     for proto in ("exclude", "keep"):
         r = res[f"{proto}_history"]
         print(f"\ntest, history items {'excluded' if proto == 'exclude' else 'kept'} ({proto}_history):")
-        print(ev.markdown_table([(f"SASRec (all, n={len(seqs)})", r["model"]), ("most popular (all)", r["most_popular"]),
+        print(markdown_table([(f"SASRec (all, n={len(seqs)})", r["model"]), ("most popular (all)", r["most_popular"]),
                                  (f"SASRec (cold <= {args.cold_max}, n={res['cold_users']})", r["cold_model"]),
                                  ("most popular (cold)", r["cold_most_popular"])]))
     print(f"wrote {os.path.join(save_dir, 'eval_test.json')}  ({time.time() - t0:.0f}s)")
