@@ -8,7 +8,6 @@ import sys
 from conftest import REPO
 
 STDLIB = set(sys.stdlib_module_names)
-LOCAL = {"common", "conftest", "sid_model", "study", "levers", "grounding_study", "flops"}   # this repository's
 IMPORT_NAME = {"gguf": None}          # imported by transformers for `gguf_file=` (scripts/convert_backbone.py)
 
 
@@ -21,7 +20,8 @@ def imported_packages():
                 names |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 names.add(node.module.split(".")[0])
-    return names - STDLIB - LOCAL
+    local = {os.path.basename(f)[:-3] for f in files}                  # this repository's own modules
+    return names - STDLIB - local
 
 
 def required():
