@@ -97,10 +97,10 @@ clean:
 # 03 -> (04) -> 05 -> 07 -> 06 at `make run`'s budget, then results/$(DATASET).md (claims table) + figures.
 # One seed is one piece of ~2.2 h on 2 CPU cores: `make study SEEDS=0`, then SEEDS=1, SEEDS=2. A killed piece
 # resumes when rerun (finished steps are skipped, 05 continues from its last validation, a CPT chain's 04
-# from its last saved epoch). Every piece ends with
-# the report over all finished runs (and scripts/power.py's MDE per claim: results/<dataset>_power.md);
-# `make study-report` redoes only the reports; `make study-plan` prints the
-# plan and its estimated CPU time. EXACT=1 adds bench/exact_search.py (certified-exact top-20) for seed 0 (~9 min per variant).
+# from its last saved epoch). Every piece ends with the report over all finished runs (and scripts/power.py's
+# MDE per claim: results/<dataset>_power.md); `make study-report` redoes only the reports; `make study-plan`
+# prints the plan and its estimated CPU time. EXACT=1 adds bench/exact_search.py (certified-exact top-20) for
+# seed 0 (~9 min per variant).
 SEEDS ?= 0,1,2
 STUDY  = scripts/study.py --dataset $(DATASET) --seeds $(SEEDS) $(if $(EXACT),--exact,)
 study: setup
