@@ -46,6 +46,7 @@ import torch
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
+from common import atomic_write  # noqa: E402
 from study import BACKBONE, REPO, ev, fmt_iv, link_artifacts, t_interval, verdict  # noqa: E402  (ev = 06's metrics)
 OUT = "out/ml-100k"
 TOKENIZER = "results/convergence/tokenizer"  # 02's outputs every run trains on, committed
@@ -88,7 +89,7 @@ def pin_tokenizer():
             sys.exit(f"error: {OUT}/{missing[0]} not found; run `make run` first")
         os.makedirs(pinned, exist_ok=True)
         for f in TOKENIZER_FILES[::-1]:                          # sids.npy last: it marks a complete pin
-            ev.atomic_write(f"{pinned}/{f}", lambda t, f=f: shutil.copyfile(f"{REPO}/{OUT}/{f}", t))
+            atomic_write(f"{pinned}/{f}", lambda t, f=f: shutil.copyfile(f"{REPO}/{OUT}/{f}", t))
         print(f"pinned {OUT}'s 02 outputs in {TOKENIZER}/ (sids sha256 {sha(pinned + '/sids.npy')}): "
               "commit them", flush=True)
     return sha(f"{pinned}/sids.npy")
@@ -103,7 +104,7 @@ def build_base(init, pinned_sha):
     stale = not os.path.exists(f"{base}/sids.npy") or sha(f"{base}/sids.npy") != pinned_sha
     if stale:                                                   # first call, or the pin changed
         for f in TOKENIZER_FILES:
-            ev.atomic_write(f"{base}/{f}", lambda t, f=f: shutil.copyfile(f"{pinned}/{f}", t))
+            atomic_write(f"{base}/{f}", lambda t, f=f: shutil.copyfile(f"{pinned}/{f}", t))
         shutil.rmtree(f"{base}/models", ignore_errors=True)
     log = f"{base}/logs"
     if not os.path.exists(f"{base}/models/random/sid_vocab.json"):
@@ -141,7 +142,7 @@ def rank_checkpoints(a, save, log):
                 "--beam", "20", "--users", str(a.rank_users)], log)
             m = json.load(open(f"{REPO}/{ck}/eval_valid.json"))["model"]
             done[str(step)] = [round(m["recall@10"], 5), round(m["ndcg@10"], 5), time.time() - t]
-            ev.atomic_write(path, lambda p: open(p, "w").write(json.dumps(done)))
+            atomic_write(path, lambda p: open(p, "w").write(json.dumps(done)))
         curve.append([step, *done[str(step)][:2]])
         best, stopped = stop_early(curve, total)
         if stopped < total:
@@ -162,8 +163,8 @@ def write_record(name, init, seed, run_dir, best_dir, ranked):
            "best_step": ranked["best_step"], "stopped_at": ranked["stopped_at"],
            "rank_curve": ranked["rank_curve"], "seconds": j["seconds"], "rank_seconds": ranked["rank_seconds"]}
     os.makedirs(f"{REPO}/{RECORDS}", exist_ok=True)
-    ev.atomic_write(record_path(name, "_test_topk.npy"), lambda p: np.save(open(p, "wb"), topk))
-    ev.atomic_write(record_path(name), lambda p: open(p, "w").write(json.dumps(rec, indent=1) + "\n"))
+    atomic_write(record_path(name, "_test_topk.npy"), lambda p: np.save(open(p, "wb"), topk))
+    atomic_write(record_path(name), lambda p: open(p, "w").write(json.dumps(rec, indent=1) + "\n"))
 
 
 def read_record(name, n_users):
@@ -326,7 +327,7 @@ def report(a, runs):
     if todo := [n for n in runs if n not in recs]:
         text += ["", f"Not run yet: {', '.join(todo)} (`python scripts/convergence.py --runs {todo[0]}`, "
                  "one run per call)."]
-    ev.atomic_write(f"{REPO}/results/ml-100k_convergence.md", lambda t: open(t, "w").write("\n".join(text) + "\n"))
+    atomic_write(f"{REPO}/results/ml-100k_convergence.md", lambda t: open(t, "w").write("\n".join(text) + "\n"))
     print("\n".join(text))
     if curves:
         import matplotlib
@@ -340,7 +341,7 @@ def report(a, runs):
         ax.axvline(220 / steps_per_epoch, color="r", alpha=0.3, label="make run's 220 steps")
         ax.set(xlabel="epochs of 05", ylabel="validation NDCG@10 (history excluded)")
         ax.legend(fontsize=8)
-        ev.atomic_write(f"{REPO}/results/ml-100k_convergence.png",
+        atomic_write(f"{REPO}/results/ml-100k_convergence.png",
                         lambda t: fig.savefig(open(t, "wb"), format="png", dpi=120, bbox_inches="tight"))
 
 

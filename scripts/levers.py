@@ -23,6 +23,7 @@ import torch
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from study import BACKBONE, REPO, ev, link_artifacts, run_script  # noqa: E402  (study.py's runner; ev = 06's metrics)
+from common import atomic_write  # noqa: E402
 OUT = "out/ml-100k"
 GROUNDED = f"{OUT}/models/centroid+gti"      # make run's 04 output: the default chain's input to 05
 # name: (what changes, 05 flags, quantizer flags for a separate 02-04 or None)
@@ -95,7 +96,7 @@ def report(names):
             "(2000 draws), one seed: the seed-to-seed spread is not in them. 05 seconds: training "
             "only, by 05's clock.", "", *rows, ""]
     os.makedirs(f"{REPO}/results", exist_ok=True)
-    ev.atomic_write(f"{REPO}/results/ml-100k_levers.md", lambda t: open(t, "w").write("\n".join(text)))
+    atomic_write(f"{REPO}/results/ml-100k_levers.md", lambda t: open(t, "w").write("\n".join(text)))
     print("\n".join(rows))
 
 
