@@ -7,14 +7,21 @@ How: 05 runs to the cap with --keep-checkpoints (the model of every validation i
 checkpoints after the stop are never ranked. 05's schedule depends on the cap only, so the model at each
 step is the one a run stopped there would have had; the record's `seconds` is then 05's whole run.
 
-Runs (each one resumable piece: a killed 05 continues with --resume at the next call, a killed ranking
+Runs (KINDS; each one resumable piece: a killed 05 continues with --resume at the next call, a killed ranking
 with the next checkpoint, <save>.ranks.json):
-    ceiling      centroid + GTI (make run's chain), seed 0: how good the LLM gets on ML-100K
-    random-sN    random init,   seeds --seeds: steps to peak per init
-    centroid-sN  centroid init, seeds --seeds   (no grounding: the centroid paper's comparison)
+    ceiling            centroid + GTI (make run's chain), seed 0: how good the LLM gets on ML-100K
+    random-sN          random init,   seeds --seeds: steps to peak per init (05's level softmax)
+    centroid-sN        centroid init, seeds --seeds   (no grounding: the centroid paper's comparison)
+    mean-full-sN       the GTI paper's baseline (mean init) under the papers' vocabulary softmax
+    mean+gti-full-sN   04's light grounding (120 steps x 8 pairs) on mean init, then the same SFT
+    mean+aux-full-sN   mean init + LC-Rec's auxiliary text <-> SID rows in 05 (05's default mix by tokens)
+    mean+gti2-full-sN  GTI as the paper runs it, in proportion: 04 grounds the rows until held-out accuracy
+                       stops rising, then unfreezes every parameter for as many passes (two-stage GTI)
+The grounded folders are built once (04's seed 0); a run's seed sets 05's example order and validation users.
 
     python scripts/convergence.py --dry-run           # the plan and its CPU-time estimate
     python scripts/convergence.py --runs ceiling      # one piece (1-2.5 h on 2 CPU cores at 3 epochs)
+    python scripts/convergence.py --inits mean-full,mean+gti-full --seeds 0,1 --dry-run
     python scripts/convergence.py --report-only       # table + figure from the finished runs
 
 Needs `make run` (out/ml-100k: dataset.pt, item_emb.npy, 02's outputs, sasrec/). Every run trains on one
@@ -25,13 +32,15 @@ A seed pair made in two sessions then differs by its init and seed, not by its S
 only the validation item (06 --split valid on 05's checkpoints); the test split is scored once per run,
 on the chosen checkpoint. A finished run leaves a small record in results/convergence/ (<run>.json: 05's
 curves, steps and times, the test metrics, sha256 of its SIDs; <run>_test_topk.npy: each user's ranked
-test list), committed with its numbers: the report is built from the records, so runs made on different
+test list; <run>_rows.npz: the SID rows, fp16, at every validation up to the stop: step 0 = init),
+committed with its numbers: the report is built from the records, so runs made on different
 machines or days add up, and out/ can be deleted once a run's record is written. A record made on other
 SIDs than the pinned ones is reported with a caveat and rerun by the next call that names it.
 Two runs can share 2 cores, each at OMP_NUM_THREADS=1 (about 1.2x the throughput of one on both).
 Writes results/ml-100k_convergence.md (the table; each run - SASRec and centroid - random at the peak, paired
-bootstrap over users; the efficiency claim read two ways, paired by seed) and results/ml-100k_convergence.png
-(validation NDCG@10 against epochs, SASRec and most-popular as lines).
+bootstrap over users; the efficiency claim read two ways, paired by seed; the GTI claims at the peak, each only
+where its baseline beats most-popular) and results/ml-100k_convergence.png (validation NDCG@10 against epochs,
+SASRec and most-popular as lines; the vocabulary-softmax runs in a second panel).
 """
 import argparse
 import hashlib
@@ -58,11 +67,28 @@ STEPS_PER_EPOCH = 660                  # ML-100K: 5,299 windows / 8 a step = 662
 PATIENCE = 2                           # a run stops after this many validations without a better NDCG@10
 
 
+# kind: (the folder in BASE 05 starts from, 05's flags beyond the schedule). Run name: <kind>-s<seed>.
+KINDS = {
+    "ceiling": ("centroid+gti", []),
+    "random": ("random", []),
+    "centroid": ("centroid", []),
+    "mean-full": ("mean", ["--softmax", "full"]),
+    "mean+gti-full": ("mean+gti", ["--softmax", "full"]),
+    "mean+aux-full": ("mean", ["--softmax", "full", "--aux-tasks"]),
+    "mean+gti2-full": ("mean+gti2", ["--softmax", "full"]),
+}
+GROUND = {"centroid+gti": ("centroid", ["--steps", "120"]),    # 04's default light GTI, as make run
+          "mean+gti": ("mean", ["--steps", "120"])}
+
+
 def runs_of(a):
-    runs = {"ceiling": ("centroid+gti", 0)} if "ceiling" in a.inits else {}
-    for init in ("random", "centroid"):
-        if init in a.inits:
-            runs.update({f"{init}-s{s}": (init, int(s)) for s in a.seeds.split(",")})
+    """{run name: (kind, seed)} for --inits x --seeds; the ceiling runs seed 0 only."""
+    runs = {}
+    for kind in a.inits.split(","):
+        if kind not in KINDS:
+            sys.exit(f"error: unknown kind {kind!r} in --inits; choose from {','.join(KINDS)}")
+        runs.update({"ceiling": (kind, 0)} if kind == "ceiling" else
+                    {f"{kind}-s{s}": (kind, int(s)) for s in a.seeds.split(",")})
     return runs
 
 
@@ -109,8 +135,10 @@ def build_base(init, pinned_sha):
     log = f"{base}/logs"
     if not os.path.exists(f"{base}/models/random/sid_vocab.json"):
         sh(["03_expand_vocab.py", "--out-dir", BASE, "--model", BACKBONE, "--init", "all"], log)
-    if init == "centroid+gti" and not os.path.exists(f"{base}/models/centroid+gti/sid_vocab.json"):
-        sh(["04_ground.py", "--out-dir", BASE, "--model", f"{BASE}/models/centroid", "--steps", "120"], log)
+    if init in GROUND and not os.path.exists(f"{base}/models/{init}/sid_vocab.json"):
+        src, flags = GROUND[init]
+        sh(["04_ground.py", "--out-dir", BASE, "--model", f"{BASE}/models/{src}", "--save", f"{BASE}/models/{init}",
+            *flags], log)
 
 
 def stop_early(curve, total, patience=PATIENCE):
@@ -151,18 +179,40 @@ def rank_checkpoints(a, save, log):
             "rank_seconds": round(sum(done[str(s)][2] for s, _, _ in curve), 1)}
 
 
-def write_record(name, init, seed, run_dir, best_dir, ranked):
-    """Keep what the report needs from a finished run (a few kB + one (users, 20) int32 array): 05's counts
-    and seconds from run_dir, the test metrics and lists of the chosen checkpoint best_dir, and the ranking
-    (rank_checkpoints)."""
+def sid_rows(folder):
+    """The SID token rows of a model folder in sid_vocab.json's order: {"input": (n, d)} and, where the head is
+    untied, {"head": (n, d)}, fp16."""
+    from safetensors import safe_open
+    ids = [t for level in json.load(open(f"{folder}/sid_vocab.json"))["token_ids"] for t in level if t >= 0]
+    rows = {}
+    for fn in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        with safe_open(f"{folder}/{fn}", framework="pt") as f:
+            for k in f.keys():
+                part = "input" if "embed_tokens" in k else "head" if k.endswith("lm_head.weight") else None
+                if part:
+                    rows[part] = f.get_tensor(k)[ids].to(torch.float16).numpy()
+    return rows, np.asarray(ids)
+
+
+def write_record(name, kind, seed, run_dir, best_dir, ranked):
+    """Keep what the reports need from a finished run (a few kB + one (users, 20) int32 array + the SID rows): 05's
+    counts and seconds from run_dir, the test metrics and lists of the chosen checkpoint best_dir, the ranking
+    (rank_checkpoints), and the SID rows of every ranked checkpoint (step 0 = the init) when they are there."""
     j, t = json.load(open(f"{run_dir}/05_sft.json")), json.load(open(f"{best_dir}/eval_test.json"))
     topk = np.load(f"{best_dir}/eval_test_topk.npy", allow_pickle=False).astype(np.int32)
-    rec = {"run": name, "init": init, "seed": seed, "sids_sha256": sha(f"{REPO}/{TOKENIZER}/sids.npy"),
-           "test": t["model"],
+    rec = {"run": name, "kind": kind, "init": KINDS[kind][0], "flags": KINDS[kind][1], "seed": seed,
+           "sids_sha256": sha(f"{REPO}/{TOKENIZER}/sids.npy"), "test": t["model"],
            "steps_per_epoch": (j["examples"] + j["aux_examples"]) / (j["batch_size"] * j["grad_accum"]),
            "best_step": ranked["best_step"], "stopped_at": ranked["stopped_at"],
            "rank_curve": ranked["rank_curve"], "seconds": j["seconds"], "rank_seconds": ranked["rank_seconds"]}
     os.makedirs(f"{REPO}/{RECORDS}", exist_ok=True)
+    cks = [f"{run_dir}.checkpoints/step_{s}" for s, _, _ in ranked["rank_curve"]]
+    if all(os.path.exists(f"{c}/sid_vocab.json") for c in cks):      # ~0.2 MB a checkpoint (194 rows x 576)
+        rows = [sid_rows(c) for c in cks]
+        arrays = {p: np.stack([r[p] for r, _ in rows]) for p in rows[0][0]}
+        atomic_write(record_path(name, "_rows.npz"), lambda p: np.savez_compressed(
+            open(p, "wb"), steps=np.array([s for s, _, _ in ranked["rank_curve"]]), token_ids=rows[0][1], **arrays))
+        rec["rows"] = f"{name}_rows.npz"
     atomic_write(record_path(name, "_test_topk.npy"), lambda p: np.save(open(p, "wb"), topk))
     atomic_write(record_path(name), lambda p: open(p, "w").write(json.dumps(rec, indent=1) + "\n"))
 
@@ -179,7 +229,8 @@ def read_record(name, n_users):
     return rec, topk.astype(np.int64)
 
 
-def run_one(a, name, init, seed):
+def run_one(a, name, kind, seed):
+    init, flags = KINDS[kind]
     pinned = pin_tokenizer()
     if os.path.exists(record_path(name)):
         old = json.load(open(record_path(name))).get("sids_sha256", "not recorded")
@@ -193,12 +244,12 @@ def run_one(a, name, init, seed):
         resume = ["--resume"] if os.path.exists(f"{REPO}/{save}.resume.pt") else []
         sh(["05_sft.py", "--out-dir", BASE, "--model", f"{BASE}/models/{init}", "--save", save,
             "--steps", str(max_steps(a)), "--eval-every", str(a.eval_every), "--keep-checkpoints",
-            "--seed", str(seed), *resume], log)
+            "--seed", str(seed), *flags, *resume], log)
     ranked = rank_checkpoints(a, save, log)
     best = f"{save}.checkpoints/step_{ranked['best_step']}"
     if not os.path.exists(f"{REPO}/{best}/eval_test.json"):
         sh(["06_eval.py", "--out-dir", BASE, "--model", best, "--protocol", "excluded"], log)
-    write_record(name, init, seed, f"{REPO}/{save}", f"{REPO}/{best}", ranked)
+    write_record(name, kind, seed, f"{REPO}/{save}", f"{REPO}/{best}", ranked)
     for d in os.listdir(f"{REPO}/{save}.checkpoints"):              # ~0.5 GB each; the record is written
         if d != f"step_{ranked['best_step']}":
             shutil.rmtree(f"{REPO}/{save}.checkpoints/{d}")
@@ -266,14 +317,105 @@ def paired(a, b):
     return ", ".join(f"{k} {fmt_iv(ev.paired_bootstrap(a[k], b[k]))}" for k in ("recall@10", "ndcg@10"))
 
 
+def kind_of(rec):
+    """A record's kind (records made before kinds existed name their init)."""
+    return rec.get("kind") or ("ceiling" if rec["run"] == "ceiling" else rec["init"])
+
+
+# The GTI paper's claims (docs/papers.md; Vibrent, relative to the baseline), read at each run's best checkpoint
+# under the vocabulary softmax: claim, paper, a, b (kinds), metric, judged (False: shown beside, no verdict).
+GTI_CLAIMS = [
+    ("GTI vs mean: Recall@10", "+22.03%", "mean+gti-full", "mean-full", "recall@10", True),
+    ("GTI vs mean: Recall@20", "+26.02%", "mean+gti-full", "mean-full", "recall@20", True),
+    ("GTI vs mean: NDCG@10", "+8.0% (.0188 -> .0203)", "mean+gti-full", "mean-full", "ndcg@10", True),
+    ("GTI vs mean: Recall@5", "+1.71%", "mean+gti-full", "mean-full", "recall@5", False),
+    ("GTI vs mean: NDCG@5", "-5.19%", "mean+gti-full", "mean-full", "ndcg@5", False),
+    ("LC-Rec aux tasks vs mean: Recall@10", "+11.7% (.0342 -> .0382)", "mean+aux-full", "mean-full", "recall@10",
+     True),
+    ("GTI vs LC-Rec aux tasks: Recall@10", "+9.2% (.0382 -> .0417)", "mean+gti-full", "mean+aux-full", "recall@10",
+     True),
+    ("two-stage GTI vs mean: Recall@20", "+26.02% (the paper's GTI)", "mean+gti2-full", "mean-full", "recall@20",
+     True),
+    ("two-stage GTI vs light GTI: Recall@10", "not in the paper", "mean+gti2-full", "mean+gti-full", "recall@10",
+     True),
+]
+
+
+def baseline_trains(b_users, pop_users):
+    """Whether a baseline trained: its per-user test Recall@10 (mean over its seeds) beats most-popular's, the
+    paired bootstrap interval over users above 0. -> (bool, text)."""
+    d = ev.paired_bootstrap(b_users, pop_users)
+    return d[1] > 0, f"{b_users.mean():.4f} (most-popular {pop_users.mean():.4f}, {fmt_iv(d)})"
+
+
+def gti_claim(per_seed, pop_users, a, b, metric, judged):
+    """One GTI claim from {kind: {seed: per-user metrics}}: a - b over users (the seeds both ran, averaged per user;
+    paired bootstrap) and over seed pairs (t interval). A verdict only where b beats most-popular; with >= 2 seed
+    pairs both intervals must agree. -> (ours, b's Recall@10, verdict)."""
+    if not (per_seed.get(a) and per_seed.get(b)):
+        return "not run", "-", "not run yet"
+    trained, b_text = baseline_trains(np.mean([m["recall@10"] for m in per_seed[b].values()], 0), pop_users)
+    common = sorted(set(per_seed[a]) & set(per_seed[b]))
+    if not common:
+        return "no common seed", b_text, "not run yet"
+    x, y = (np.mean([per_seed[k][s][metric] for s in common], 0) for k in (a, b))
+    d = ev.paired_bootstrap(x, y)
+    rel = f" ({100 * d[0] / y.mean():+.1f}%)" if y.mean() > 0 else ""
+    sd = [float(per_seed[a][s][metric].mean() - per_seed[b][s][metric].mean()) for s in common]
+    iv = t_interval(sd)
+    ours = f"{fmt_iv(d)}{rel}, seeds {','.join(map(str, common))}" + (f"; per seed pair {fmt_iv(iv)}"
+                                                                       if len(sd) > 1 else "")
+    if not judged:
+        return ours, b_text, "shown beside"
+    if not trained:
+        return ours, b_text, "not testable: the baseline did not train"
+    users, seeds = verdict(d[1], d[2]), verdict(iv[1], iv[2])
+    return ours, b_text, users if len(sd) < 2 or users == seeds else "inconclusive (inside the seed spread)"
+
+
+def reach_other(ra, rb):
+    """Steps each of two runs needs to reach the other's best validation NDCG@10 (None: never)."""
+    first = lambda r, thr: next((s for s, _, n in r["rank_curve"] if n >= thr), None)  # noqa: E731
+    return (first(ra, max(n for _, _, n in rb["rank_curve"])), first(rb, max(n for _, _, n in ra["rank_curve"])))
+
+
+def gti_report(recs, per, test, histories, pop):
+    """The GTI claims at the peak (markdown lines; none before any GTI run has finished)."""
+    per_seed = {}
+    for name, (j, _) in recs.items():
+        per_seed.setdefault(kind_of(j), {})[j["seed"]] = per[name]
+    if not any(k.endswith("-full") for k in per_seed):
+        return []
+    pop_users = ev.per_user_metrics(ev.popular_topk(pop, histories, 20, True), test)["recall@10"]
+    text = ["", "## The GTI claims at the peak (vocabulary softmax)", "",
+            "Each run's best checkpoint by validation NDCG@10, test split, history excluded. a - b: paired bootstrap "
+            "over users (95%), the seeds both ran averaged per user; with >= 2 seed pairs also the 95% t interval "
+            "over seed pairs, and both must agree. A row gets a verdict only where its baseline b beats most-popular "
+            "(Recall@10, paired bootstrap above 0); otherwise the test could not have come out against the claim: "
+            "not testable. Recall@5 and NDCG@5 are shown beside, as the paper reports them.", "",
+            "| claim | paper (Vibrent) | a - b (test) | b's Recall@10 vs most-popular | verdict |", "|---|---|---|---|---|"]
+    for claim, paper, a, b, metric, judged in GTI_CLAIMS:
+        ours, b_text, v = gti_claim(per_seed, pop_users, a, b, metric, judged)
+        text.append(f"| {claim} ({a} - {b}) | {paper} | {ours} | {b_text} | {v} |")
+    for a, b in dict.fromkeys((c[2], c[3]) for c in GTI_CLAIMS):
+        for sd in sorted(set(per_seed.get(a, {})) & set(per_seed.get(b, {}))):
+            ra, rb = recs[f"{a}-s{sd}"][0], recs[f"{b}-s{sd}"][0]
+            ha, hb = reach_other(ra, rb)
+            text.append(f"- seed {sd}: {a} reaches {b}'s best validation NDCG@10 at step {ha} ({b}'s best step "
+                        f"{rb['best_step']}); {b} reaches {a}'s at step {hb} ({a}'s best step {ra['best_step']})")
+    return text
+
+
 def report(a, runs):
     data = torch.load(f"{REPO}/{OUT}/dataset.pt", map_location="cpu", weights_only=True)
     valid, test = data["valid"].numpy(), data["test"].numpy()
     pop, train = data["popularity"].numpy(), data["train"]
     pop_val = ev.rank_metrics(ev.popular_topk(pop, train, 20, True), valid)["ndcg@10"]
     sas = json.load(open(f"{REPO}/{OUT}/sasrec/eval_test.json"))
-    recs = {n: rec for n in runs if (rec := read_record(n, len(test))) is not None}
-    done = {n: runs[n] for n in recs}
+    found = sorted(f[:-5] for f in os.listdir(f"{REPO}/{RECORDS}") if f.endswith(".json"))
+    names = list(dict.fromkeys([*runs, *found]))                   # the plan's order, then any other record
+    recs = {n: rec for n in names if (rec := read_record(n, len(test))) is not None}
+    done = {n: (kind_of(j), j["seed"]) for n, (j, _) in recs.items()}
     rows, curves, per, steps_per_epoch = [], {}, {}, float(STEPS_PER_EPOCH)
     for name, (j, topk) in recs.items():
         steps_per_epoch = j["steps_per_epoch"]
@@ -309,7 +451,7 @@ def report(a, runs):
         sas_per = ev.per_user_metrics(np.load(sas_topk, allow_pickle=False), test)
         text += [f"{name} - SASRec (test, paired bootstrap 95%): {paired(per[name], sas_per)}" for name in per]
         text.append("")
-    for sd in sorted({seed for n, (i, seed) in done.items() if i == "random"}):
+    for sd in sorted({seed for n, (k, seed) in done.items() if k == "random"}):
         r, c = f"random-s{sd}", f"centroid-s{sd}"
         if r in per and c in per:
             same = recs[r][0].get("sids_sha256") == recs[c][0].get("sids_sha256")
@@ -324,6 +466,7 @@ def report(a, runs):
         text += ["", "Read as steps until centroid's validation NDCG@10 first reaches random's best (resolution "
                  f"{a.eval_every} steps; one validation's NDCG@10 has a standard error of ~0.008 over 943 users): " + v,
                  *[f"- {x}" for x in lines]]
+    text += gti_report(recs, per, test, [list(h) + [v] for h, v in zip(train, valid.tolist())], pop)
     if todo := [n for n in runs if n not in recs]:
         text += ["", f"Not run yet: {', '.join(todo)} (`python scripts/convergence.py --runs {todo[0]}`, "
                  "one run per call)."]
@@ -333,14 +476,18 @@ def report(a, runs):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6.4, 4))
-        for name, c in curves.items():
-            ax.plot(*zip(*c), marker="o", label=name)
-        ax.axhline(sas.get("best_val_ndcg@10", np.nan), color="k", ls="--", label="SASRec")
-        ax.axhline(pop_val, color="gray", ls=":", label="most popular")
-        ax.axvline(220 / steps_per_epoch, color="r", alpha=0.3, label="make run's 220 steps")
-        ax.set(xlabel="epochs of 05", ylabel="validation NDCG@10 (history excluded)")
-        ax.legend(fontsize=8)
+        full = {n for n in curves if "--softmax" in recs[n][0].get("flags", [])}
+        panels = [("05's level softmax", [n for n in curves if n not in full])] + (
+            [("the vocabulary softmax (05 --softmax full)", sorted(full))] if full else [])
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4), sharey=True, squeeze=False)
+        for ax, (title, names) in zip(axes[0], panels):
+            for name in names:
+                ax.plot(*zip(*curves[name]), marker="o", label=name)
+            ax.axhline(sas.get("best_val_ndcg@10", np.nan), color="k", ls="--", label="SASRec")
+            ax.axhline(pop_val, color="gray", ls=":", label="most popular")
+            ax.axvline(220 / steps_per_epoch, color="r", alpha=0.3, label="make run's 220 steps")
+            ax.set(xlabel="epochs of 05", ylabel="validation NDCG@10 (history excluded)", title=title)
+            ax.legend(fontsize=8)
         atomic_write(f"{REPO}/results/ml-100k_convergence.png",
                         lambda t: fig.savefig(open(t, "wb"), format="png", dpi=120, bbox_inches="tight"))
 

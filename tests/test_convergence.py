@@ -73,8 +73,8 @@ def test_record_round_trip_and_skip(tmp_path, monkeypatch):
     rec, topk = conv.read_record("random-s0", 5)
     assert rec["init"] == "random" and rec["best_step"] == 44 and rec["steps_per_epoch"] == 82.5
     assert rec["stopped_at"] == 88 and rec["seconds"] == 90.0 and rec["rank_seconds"] == 30.0
-    assert list(rec) == ["run", "init", "seed", "sids_sha256", "test", "steps_per_epoch", "best_step", "stopped_at",
-                         "rank_curve", "seconds", "rank_seconds"]                    # the committed records' fields
+    assert list(rec) == ["run", "kind", "init", "flags", "seed", "sids_sha256", "test", "steps_per_epoch",
+                         "best_step", "stopped_at", "rank_curve", "seconds", "rank_seconds"]   # the records' fields
     assert len(rec["sids_sha256"]) == 12 and int(rec["sids_sha256"], 16) >= 0
     assert rec["rank_curve"][1] == [44, 0.2, 0.1] and topk.dtype == np.int64
     assert (topk == np.arange(100).reshape(5, 20)).all()
@@ -236,3 +236,58 @@ def test_report_from_records_alone(tmp_path, monkeypatch):
     assert "random 40, centroid 30" in md and "confounded with the tokenizer)" in md.split("Efficiency")[1]
     assert "Not run yet: ceiling, random-s1, centroid-s1 (`python scripts/convergence.py --runs ceiling`" in md
     assert (tmp_path / "results" / "ml-100k_convergence.png").stat().st_size > 1000
+
+
+def test_record_keeps_the_sid_rows_of_every_ranked_checkpoint(tmp_path, monkeypatch):
+    """Each ranked checkpoint's SID rows (fp16, sid_vocab.json's order; step 0 = the init) go into <run>_rows.npz;
+    a tied head keeps no head rows."""
+    import torch
+    from safetensors.torch import save_file
+    monkeypatch.setattr(conv, "REPO", str(tmp_path))
+    fake_make_run(tmp_path, np.zeros((5, 4), np.int64))
+    conv.pin_tokenizer()
+    best_dir, ranked = fake_run(tmp_path / "run", 44, 88)
+    ranked["rank_curve"] = [[0, 0.0, 0.01], [44, 0.2, 0.1], [88, 0.1, 0.05]]
+    for step in (0, 44, 88):
+        ck = tmp_path / "run.checkpoints" / f"step_{step}"
+        ck.mkdir(parents=True, exist_ok=True)
+        (ck / "sid_vocab.json").write_text(json.dumps({"token_ids": [[3, 5], [7, -1]]}))
+        emb = torch.arange(40, dtype=torch.float32).view(10, 4) + step
+        save_file({"model.embed_tokens.weight": emb}, str(ck / "model.safetensors"))
+    conv.write_record("mean-full-s0", "mean-full", 0, str(tmp_path / "run"), best_dir, ranked)
+    rec, _ = conv.read_record("mean-full-s0", 5)
+    assert rec["rows"] == "mean-full-s0_rows.npz" and rec["flags"] == ["--softmax", "full"] and rec["init"] == "mean"
+    z = np.load(tmp_path / conv.RECORDS / "mean-full-s0_rows.npz")
+    assert sorted(z.files) == ["input", "steps", "token_ids"] and list(z["steps"]) == [0, 44, 88]
+    assert list(z["token_ids"]) == [3, 5, 7] and z["input"].dtype == np.float16 and z["input"].shape == (3, 3, 4)
+    assert (z["input"][2, 1] == np.arange(20, 24) + 88).all()          # step 88, token 5
+
+
+def test_gti_claim_needs_a_baseline_that_trains():
+    """A GTI row gets a verdict only where its baseline beats most-popular; with two seed pairs both intervals
+    must agree; an unjudged row (Recall@5, NDCG@5) is shown beside."""
+    n = 400
+    pop = (np.arange(n) % 10 == 0).astype(float)                     # most-popular: Recall@10 0.10
+    weak = {"recall@10": (np.arange(n) % 20 == 0).astype(float)}       # 0.05: below most-popular
+    strong = {"recall@10": (np.arange(n) % 4 == 0).astype(float)}      # 0.25
+    better = {"recall@10": (np.arange(n) % 2 == 0).astype(float)}      # 0.50
+    per = {"mean-full": {0: weak}, "mean+gti-full": {0: better}}
+    assert conv.gti_claim(per, pop, "mean+gti-full", "mean-full", "recall@10", True)[2] == (
+        "not testable: the baseline did not train")
+    per["mean-full"] = {0: strong}
+    ours, b_text, v = conv.gti_claim(per, pop, "mean+gti-full", "mean-full", "recall@10", True)
+    assert v == "reproduced" and ours.startswith("+0.2500 [") and "(+100.0%)" in ours and b_text.startswith("0.2500")
+    per["mean+gti-full"] = {0: {"recall@10": strong["recall@10"][::-1].copy()}}   # same mean, other users
+    assert conv.gti_claim(per, pop, "mean+gti-full", "mean-full", "recall@10", True)[2] == "inconclusive"
+    a_little = {"recall@10": strong["recall@10"] + (np.arange(n) == 1)}  # seed 1: one more hit than strong
+    per = {"mean-full": {0: strong, 1: strong}, "mean+gti-full": {0: better, 1: a_little}}   # +0.25, +0.0025
+    assert conv.gti_claim(per, pop, "mean+gti-full", "mean-full", "recall@10", True)[2] == (
+        "inconclusive (inside the seed spread)")
+    assert conv.gti_claim(per, pop, "mean+gti-full", "mean-full", "recall@10", False)[2] == "shown beside"
+    assert conv.gti_claim({"mean-full": {0: strong}}, pop, "mean+gti-full", "mean-full", "recall@10", True)[2] == (
+        "not run yet")
+
+
+def test_unknown_kind_is_one_line():
+    with pytest.raises(SystemExit, match=r"unknown kind 'mean-fulll' in --inits; choose from ceiling,"):
+        conv.runs_of(argparse.Namespace(inits="mean-fulll", seeds="0"))
