@@ -10,10 +10,18 @@ row; train the new token rows (and an untied head's same rows) on next-token NLL
 and loss, every parameter trained (lr 1e-4, warmup then constant, so the folder saved after epoch E
 is the same whatever --epochs is). One CPT epoch on ML-100K = 378 steps of 8 pairs: 613 s measured
 on 2 CPU cores (bf16).
+--epochs E scores the held-out items (--max-eval of them) after every epoch: `holdout_curve`, the
+in-level text -> SID accuracy per level; --plateau P (--train rows) stops once no level rose above its
+best so far (the start counts) for P epochs, else at E, and saves the model at the stop. The GTI paper
+grounds 8,000 steps x 128 pairs (new rows), then unfreezes all for 8,000 x 128 on the same pairs, then
+SFT; in proportion (D = epochs_done in mean+gti/04_ground.json; the same --seed: the same pairs):
+GTI+: python 04_ground.py --model out/ml-100k/models/mean --epochs 30 --plateau 2        (-> mean+gti)
+      python 04_ground.py --model out/ml-100k/models/mean+gti --train all --epochs D  (-> mean+gti+cptD)
 Reads:  <model> (03's folder, default <out-dir>/models/centroid), <out-dir>/dataset.pt
 Writes: <save> (default <model>+gti; --train all: <model>+cpt<E>): model, tokenizer, sid_vocab.json,
-        04_ground.json; --train all --epochs E also <model>+cpt<e> and <save>.resume.pt after every
-        epoch e < E (--resume continues from it; the finished run removes it)
+        04_ground.json (--epochs: + holdout_curve [[epoch, step, [acc per level]]], stopped_epoch
+        (null: ran to E), epochs_done, steps_done); --train all --epochs E also <model>+cpt<e> and
+        <save>.resume.pt after every epoch e < E (--resume continues from it; the finished run removes it)
 CPU:  python 04_ground.py --model out/ml-100k/models/centroid
 GPU:  python 04_ground.py --device cuda --steps 2000 --batch-size 64       (the same default model)
 CPT:  python 04_ground.py --model out/ml-100k/models/random --train all --epochs 4  (+cpt1..+cpt4)
@@ -44,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=pos_int, default=200, help="optimizer steps (unless --epochs)")
     p.add_argument("--epochs", type=nonneg_int, default=0,
                    help="passes over the pairs (0: use --steps); --train all saves every epoch")
+    p.add_argument("--plateau", type=nonneg_int, default=0,
+                   help="--train rows --epochs E: stop once no level's held-out acc rose for P epochs (0: off)")
     p.add_argument("--batch-size", type=pos_int, default=8, help="pairs per step, both directions")
     p.add_argument("--lr", type=nonneg_float, default=0.0,
                    help="peak learning rate (AdamW; 0: 1e-2 for --train rows, 1e-4 for all)")
@@ -125,6 +135,13 @@ def freeze_all_but_new_rows(model, new_ids: torch.Tensor):
         all(torch.equal(model.get_parameter(n).detach(), o) for n, o in others.items()))
 
 
+def plateaued(accs, patience: int) -> bool:
+    """The plateau rule on per-level accuracies (the start, then one row per epoch): True when none of
+    the last `patience` rows beats, at any level, that level's best before them."""
+    a = np.array(accs)                                                 # (1 + epochs, L)
+    return 0 < patience < len(a) and not (a[-patience:] > a[:-patience].max(0)).any()
+
+
 # --- Eval: held-out text -> SID accuracy ---------------------------------------------------
 def tie_hits(scores, target):
     """4. Held-out accuracy: expected argmax hits, ties broken at random: (B, K), (B,) -> (B,)."""
@@ -184,6 +201,8 @@ def main(argv=None):
     pairs_of = lambda items: build_pairs(tok, texts, item_tids, items, args.max_text_tokens)
     pairs, scored = pairs_of(train_items), {"held_out": held, "seen": train_items}
     scored = {k: [p for p in pairs_of(its[:args.max_eval]) if p[2]] for k, its in scored.items()}
+    if args.plateau and not (rows and args.epochs and scored["held_out"]):
+        die(f"--plateau {args.plateau}: needs --train rows, --epochs E and held-out items (--holdout-frac, --max-eval)")
     per_epoch = len(pairs) // args.batch_size                   # steps per pass over the pairs
     if per_epoch < 1:
         die(f"--batch-size {args.batch_size} exceeds the {len(pairs)} grounding pairs")
@@ -207,7 +226,7 @@ def main(argv=None):
     start = [w.detach()[new_ids].clone() for w in ws]           # the new rows before training
     files = {"sid_vocab.json": json.dumps(vocab)}
     ckpt, key = f"{args.save}.resume.pt", {k: v for k, v in vars(args).items()
-                                             if k not in ("resume", "device", "log_every")}
+                                             if k not in ("resume", "device", "log_every", "plateau")}
     # The loop: pairs -> logits at the targets -> loss -> masked row update (AdamW). CPT's lr is
     # constant after the warmup, so a long run's +cpt1, +cpt2 are the ends of short runs.
     opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
@@ -235,6 +254,8 @@ def main(argv=None):
         accuracy("before")
     (run_loss, run_hit, run_n), t_int = run, time.time()
     t_loop = t_int - state.get("s", 0.0)                       # seconds of the loop, all parts
+    hcurve, stop, step = state.get("hcurve", []), False, first - 1    # held-out acc after each epoch
+    model.train()                                               # a resumed run skipped "before"
     for step in range(first, args.steps + 1):
         if pos + args.batch_size > len(order):                  # new epoch: reshuffle the pairs
             order, pos = torch.randperm(len(pairs), generator=g).tolist(), 0
@@ -254,24 +275,31 @@ def main(argv=None):
         run_loss += loss.item()
         run_hit += float((logits.argmax(-1) == y)[is_t2s].sum())
         run_n += float(is_t2s.sum())
-        if step % args.log_every == 0 or step == args.steps:
+        if end := args.epochs and step % per_epoch == 0:        # an epoch's end: score the held-out items
+            e, ho = step // per_epoch, grounding_accuracy(model, scored["held_out"], level_ids, pad_id, device, ctx)
+            hcurve.append([e, step, ho["acc_in_level"]])
+            stop = step < args.steps and plateaued([acc["before"]["held_out"]["acc_in_level"]]
+                                                   + [c[2] for c in hcurve], args.plateau)
+            print(f"epoch {e}: held-out in-level {ho['acc_in_level']}{'; plateau: stop' if stop else ''}", flush=True)
+        if step % args.log_every == 0 or step == args.steps or stop:
             k, hit = (step - 1) % args.log_every + 1, run_hit / max(run_n, 1)
             curve.append({"step": step, "loss": round(run_loss / k, 4), "t2s_acc": round(hit, 4)})
             print(f"step {step:5d} | loss {run_loss / k:.4f} | text->SID acc {hit:.3f} | lr "
                   f"{sched.get_last_lr()[0]:.2e} | {1000 * (time.time() - t_int) / k:.0f} ms/step",
                   flush=True)
             (run_loss, run_hit, run_n), t_int = (0.0, 0.0, 0.0), time.time()
-        if not rows and args.epochs and step % per_epoch == 0 and step < args.steps:
-            e = step // per_epoch                               # CPT: a folder after every epoch
-            info = {"train": "all", "epoch": e, "step": step, "args": vars(args)}
+        if not rows and end and step < args.steps:             # CPT: a folder after every epoch
+            info = {"train": "all", "epoch": e, "step": step, "holdout_curve": hcurve, "args": vars(args)}
             dst = f"{args.model.rstrip('/')}+cpt{e}"
             save_folder(dst, model, tok, {**files, "04_ground.json": json.dumps(info, indent=2)})
             ck = {"step": step, "opt": opt.state_dict(), "sched": sched.state_dict(),
                   "g": g.get_state(), "curve": curve, "s": time.time() - t_loop,
                   "run": (run_loss, run_hit, run_n), "model": model.state_dict(),
-                  "rng": torch.get_rng_state(), "acc_before": acc["before"], "key": key}
+                  "rng": torch.get_rng_state(), "acc_before": acc["before"], "key": key, "hcurve": hcurve}
             atomic_write(ckpt, lambda t: torch.save(ck, t))    # --resume continues from here
             print(f"epoch {e}: saved {dst} and {ckpt}", flush=True)
+        if stop:
+            break
     train_s = time.time() - t_loop
 
     accuracy("after")
@@ -288,6 +316,8 @@ def main(argv=None):
               "loss_curve": curve, "pretrained_rows_unchanged": frozen_ok,
               **{f"held_out_{key}_{when}": round(float(np.mean(a["held_out"][key])), 4)  # tables
                  for key in ("acc", "acc_in_level") for when, a in acc.items()},
+              **({"holdout_curve": hcurve, "stopped_epoch": hcurve[-1][0] if stop else None,
+                  "epochs_done": step // per_epoch, "steps_done": step} if args.epochs else {}),
               "new_row_shift": round(moved, 4), "train_seconds": round(train_s, 1),
               "seconds": round(time.time() - t0, 1)}
     save_folder(args.save, model, tok, {**files, "04_ground.json": json.dumps(report, indent=2)})

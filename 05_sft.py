@@ -2,7 +2,9 @@
 
 Paper step: the recommendation task of both papers (TIGER-style generative retrieval; GTI, Chen et al. 2026, sec. 4.3
 "standard SFT"; centroid init, Loveland et al. 2026, sec. 5); `--aux-tasks` adds LC-Rec's item text <-> SID tasks
-(Zheng et al. 2024). The rows: build_examples.    loss = - (1/#targets) sum_{target tokens t} log p(x_t | x_<t)
+(Zheng et al. 2024), `--aux-tokens` of their target tokens per recommendation target token (1:1 by default: LC-Rec
+trains them as a sizeable share of the data; 0.25 rows per sequence row were ~4% of the target tokens). The rows:
+build_examples, aux_examples.        loss = - (1/#targets) sum_{target tokens t} log p(x_t | x_<t)
 Both papers normalize a target over the vocabulary V (`--softmax full`): log p(y) = z_y - logsumexp_{v in V} z_v.
 The default `--softmax level` normalizes a SID target over its own level's codes only (docs/design.md: not
 worse, val NDCG@10 +0.008 [+0.002, +0.014] over full, and 1.1x the target items/s on sequence rows):
@@ -50,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--softmax", default="level", choices=["full", "level"], help="over V (the papers') or y's level")
     p.add_argument("--max-history", type=pos_int, default=20, help="history items before a target")
     p.add_argument("--aux-tasks", action=argparse.BooleanOptionalAction, default=False, help="LC-Rec's text <-> SID")
-    p.add_argument("--aux-ratio", type=float, default=0.25, help="auxiliary rows per recommendation row")
+    p.add_argument("--aux-tokens", type=nonneg_float, default=1.0, help="aux target tokens per rec target token")
     p.add_argument("--steps", type=pos_int, default=220, help="optimizer steps (ignored when --epochs > 0)")
     p.add_argument("--epochs", type=nonneg_float, default=0.0, help="passes over all examples (sets the steps)")
     p.add_argument("--batch-size", type=pos_int, default=8, help="examples per micro-step, all processes")
@@ -110,19 +112,27 @@ TEMPLATES = {"sequence": "User history: {history}", "prompt": "User history: {hi
 AUX_TEMPLATES = {Kind.TEXT_TO_SID: "Item: {text}\nSemantic ID:", Kind.SID_TO_TEXT: "Semantic ID: {sid}\nItem:"}
 
 
-def build_examples(train, num_items: int, objective: str, max_history: int, aux_ratio: float, seed: int):
-    """From the train parts s_u[:-2] only (the validation / test items are not even passed in):
+def build_examples(train, objective: str, max_history: int):
+    """The recommendation rows, from the train parts s_u[:-2] only (the validation / test items are not even passed in):
     sequence: windows w_1 .. w_n (n <= H+1) cut from the end of each train part with stride H (every train
         target once per epoch): "User history: " SID(w_1) .. SID(w_n), targets SID(w_2) .. SID(w_n)
     prompt (LC-Rec / GTI): one row per train target s_i, "User history: " SID(s_{i-H}) .. SID(s_{i-1})
-        "\\nNext item:" SID(s_i) EOS, targets SID(s_i) EOS.   aux_ratio: LC-Rec rows per row (random item, task)"""
+        "\\nNext item:" SID(s_i) EOS, targets SID(s_i) EOS."""
     if objective == "sequence":
-        rec = [(Kind.WINDOW, u, e) for u, s in enumerate(train) for e in range(len(s), 1, -max_history)]
-    else:
-        rec = [(Kind.PROMPT_ROW, u, i) for u, s in enumerate(train) for i in range(1, len(s))]
-    g = torch.Generator().manual_seed(seed)
-    pick = torch.randint(0, 2 * num_items, (round(aux_ratio * len(rec)),), generator=g).tolist()
-    return rec, [(Kind.SID_TO_TEXT if p % 2 else Kind.TEXT_TO_SID, p // 2, 0) for p in pick]  # item x direction
+        return [(Kind.WINDOW, u, e) for u, s in enumerate(train) for e in range(len(s), 1, -max_history)]
+    return [(Kind.PROMPT_ROW, u, i) for u, s in enumerate(train) for i in range(1, len(s))]
+
+
+def aux_examples(rows, num_items: int, tokens: float, seed: int):
+    """LC-Rec rows of a random item x direction, round(tokens / m) of them: `tokens` target tokens in expectation,
+    m = the mean target tokens of an auxiliary row over every item and both directions."""
+    m = target_tokens(rows, [(k, i, 0) for i in range(num_items) for k in AUX_TEMPLATES]) / (2 * num_items)
+    pick = torch.randint(0, 2 * num_items, (round(tokens / m),), generator=torch.Generator().manual_seed(seed))
+    return [(Kind.SID_TO_TEXT if p % 2 else Kind.TEXT_TO_SID, p // 2, 0) for p in pick.tolist()]  # item x direction
+
+
+def target_tokens(rows, examples) -> int:
+    return sum(sum(rows.row(ex)[1]) for ex in examples)                 # the supervised tokens of the rows
 
 
 class RowBuilder:
@@ -211,11 +221,12 @@ def main():
     # rows: training examples from the train parts only; validation: a fixed random subset of the users
     model, tok, vocab, data, _, item_tok, _ = load_sid_model(args.model, out_dir, device)
     train, val_seqs = data["train"], [s + [v] for s, v in zip(data["train"], data["valid"].tolist())]  # + s_u[-2]
-    rec, aux = build_examples(train, len(item_tok), args.objective, args.max_history,
-                              args.aux_ratio if args.aux_tasks else 0.0, args.seed)
-    if not rec:
+    rows = RowBuilder(tok, args.objective, item_tok, data["texts"], train, args.max_history)
+    if not (rec := build_examples(train, args.objective, args.max_history)):
         die(f"{out_dir}/dataset.pt has no training positions (train parts shorter than 2 items)")
-    examples, rows = rec + aux, RowBuilder(tok, args.objective, item_tok, data["texts"], train, args.max_history)
+    rec_tok = target_tokens(rows, rec)                                  # aux: --aux-tokens x as many (expected)
+    aux = aux_examples(rows, len(item_tok), args.aux_tokens * rec_tok if args.aux_tasks else 0.0, args.seed)
+    examples, aux_tok = rec + aux, target_tokens(rows, aux)
     users = [u for u in range(len(train)) if len(train[u]) > 0]         # a validation row needs a history
     pick = torch.randperm(len(users), generator=torch.Generator().manual_seed(args.seed))[:args.val_examples or None]
     users = sorted(users[i] for i in pick.tolist())                     # --val-examples of them (0: all)
@@ -226,8 +237,9 @@ def main():
     per_step = args.batch_size * args.grad_accum                       # examples per optimizer step
     total = math.ceil(args.epochs * len(examples) / per_step) if args.epochs > 0 else args.steps
     targets = sum(len(s) - 1 for s in train if len(s) > 1)
-    log(f"objective {args.objective}  softmax {args.softmax}  examples {len(rec)} + {len(aux)} auxiliary ({targets} "
-        f"target items), val {len(users)}  steps {total} x {per_step} ({total * per_step / len(examples):.2f} epochs)")
+    log(f"objective {args.objective}  softmax {args.softmax}  examples {len(rec)} ({targets} target items) + "
+        f"{len(aux)} auxiliary rows (aux:rec target tokens {aux_tok / rec_tok:.2f}), val {len(users)}  "
+        f"steps {total} x {per_step} ({total * per_step / len(examples):.2f} epochs)")
 
     # loss: the LM inside SIDLoss; AdamW (weight decay on the matrices only), warmup then cosine
     loss_model = SIDLoss(model, args.softmax, [torch.tensor(t) for t in vocab["token_ids"]]).to(device).train()
@@ -237,7 +249,8 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, args.warmup, total))
     state = dict(step=0, best_val=math.inf, best_step=-1, loss_curve=[], val_curve=[], val_level_acc=[], seconds=0.0)
     free = ("save", "out_dir", "log_every", "resume", "keep_checkpoints", "device")    # may change on --resume
-    key = {k: v for k, v in vars(args).items() if k not in free} | {"examples": len(examples), "world size": world}
+    key = {k: v for k, v in vars(args).items() if k not in free and (k != "aux_tokens" or args.aux_tasks)}
+    key |= {"examples": len(examples), "world size": world}           # aux_tokens only matters with --aux-tasks
     if args.resume:                 # model, optimizer, schedule and `state` as at the last validation
         ck = load_pt(resume_path, "a finished run removes it; run without --resume")
         if diff := [k for k in key if ck.get("key", {}).get(k) != key[k]]:
@@ -320,6 +333,7 @@ def main():
             "loss_curve": state["loss_curve"], "val_curve": state["val_curve"], "best_step": state["best_step"],
             "val_level_acc": state["val_level_acc"], "val_level_names": positions, "best_val_loss": state["best_val"],
             "steps": total, "examples": len(rec), "target_items": targets, "aux_examples": len(aux),
+            "rec_target_tokens": rec_tok, "aux_target_tokens": aux_tok, "aux_token_ratio": round(aux_tok / rec_tok, 4),
             "val_examples": len(users), "world_size": world, "batch_size": args.batch_size,
             "grad_accum": args.grad_accum, "seconds": round(state["seconds"], 1), "s_per_step": s_per_step,
             "device": str(device), "autocast": dtype_note, "args": vars(args)})

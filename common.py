@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -53,8 +54,8 @@ def _bounded(kind, ok, what):
 
 pos_int = _bounded(int, lambda v: v >= 1, ">= 1")         # type= for counts that must be >= 1
 nonneg_int = _bounded(int, lambda v: v >= 0, ">= 0")      # type= for counts where 0 means off/all
-pos_float = _bounded(float, lambda v: v > 0, "> 0")
-nonneg_float = _bounded(float, lambda v: v >= 0, ">= 0")
+pos_float = _bounded(float, lambda v: 0 < v < math.inf, "> 0 and finite")
+nonneg_float = _bounded(float, lambda v: 0 <= v < math.inf, ">= 0 and finite")
 
 
 def add_device_flags(p: Parser, dtype_help: str = "auto = bf16 on CUDA, fp32 on CPU"):

@@ -150,6 +150,9 @@ def test_cpt_trains_every_parameter_and_saves_every_epoch(synthetic_out, tiny_mo
     assert not torch.equal(params(src + "+cpt1")["model.norm.weight"], after["model.norm.weight"])
     curve = rep["loss_curve"]
     assert curve[-1]["loss"] < curve[0]["loss"], curve
+    assert [h[:2] for h in rep["holdout_curve"]] == [[e, e * per_epoch] for e in (1, 2, 3)]   # every epoch run
+    assert rep["epochs_done"] == 3 and rep["stopped_epoch"] is None
+    assert json.load(open(os.path.join(src + "+cpt1", "04_ground.json")))["holdout_curve"] == rep["holdout_curve"][:1]
     ids, w = new_ids(src), "model.embed_tokens.weight"                  # tied: one matrix
     assert abs(rep["new_row_shift"] - (after[w][ids] - before[w][ids]).norm(dim=1).mean()) < 1e-3
     assert json.load(open(os.path.join(src + "+cpt1", "sid_vocab.json"))) == json.load(open(os.path.join(src, "sid_vocab.json")))
@@ -210,5 +213,47 @@ def test_cpt_resumes_from_a_saved_epoch(synthetic_out, tiny_model, tmp_path, mon
         a, b = params(f"{ref}+cpt{e}"), params(f"{killed}+cpt{e}")
         assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
     ra, rb = (json.load(open(os.path.join(f"{m}+cpt3", "04_ground.json"))) for m in (ref, killed))
-    for k in ("loss_curve", "before", "after", "new_row_shift", "held_out_acc_after"):
+    for k in ("loss_curve", "before", "after", "new_row_shift", "held_out_acc_after", "holdout_curve"):
         assert ra[k] == rb[k], k
+
+
+def first_stop(g, accs, patience):
+    """The first epoch after which 04 stops (accs: the start, then one row per epoch), None: never."""
+    return next((e for e in range(1, len(accs)) if g.plateaued(accs[:e + 1], patience)), None)
+
+
+def test_plateau_rule():
+    """Stop once for P epochs no level beat its best so far (a tie is no rise); one level rising keeps it going."""
+    g = load_script("04_ground.py")
+    stalls = [[.1, .1], [.2, .1], [.3, .2], [.3, .2], [.25, .2], [.3, .2]]   # rises to epoch 2, then stalls
+    assert first_stop(g, stalls, 1) == 3 and first_stop(g, stalls, 2) == 4 and first_stop(g, stalls, 3) == 5
+    one_rising = [[.1, .1], [.2, .1], [.3, .2], [.3, .3], [.3, .4], [.3, .5]]   # level 2 still rising
+    assert first_stop(g, one_rising, 1) is None and first_stop(g, one_rising, 2) is None
+    assert first_stop(g, [[.1, .1]] * 6, 0) is None and first_stop(g, stalls, 0) is None   # P = 0: off
+    assert first_stop(g, [[.1, .1]] * 3, 1) == 1                        # the start counts: no rise at epoch 1
+
+
+def test_ground_epochs_stop_at_the_plateau(synthetic_out, tiny_model):
+    """--train rows --epochs 3 --plateau 1: holdout_curve has one entry per epoch run, the run stops at the first
+    epoch where the rule says so; an lr too small to move a weight stops it after epoch 1; misuse is one line."""
+    g = load_script("04_ground.py")
+    run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "centroid")
+    src = os.path.join(synthetic_out, "models", "centroid")
+    flags = ["--out-dir", synthetic_out, "--model", src, "--epochs", 3, "--plateau", 1, "--batch-size", 8,
+             "--max-eval", 8, "--log-every", 5]
+    for lr, dst in ((1e-2, src + "+gti"), (1e-12, src + "+still")):
+        r = run("04_ground.py", *flags, "--lr", lr, "--save", dst)
+        rep = json.load(open(os.path.join(dst, "04_ground.json")))
+        per_epoch, h = 2 * rep["items_grounded"] // 8, rep["holdout_curve"]
+        done = rep["epochs_done"]
+        assert [x[:2] for x in h] == [[e, e * per_epoch] for e in range(1, done + 1)], h
+        assert rep["steps_done"] == done * per_epoch == rep["loss_curve"][-1]["step"]   # the last steps are logged
+        accs = [rep["before"]["held_out"]["acc_in_level"]] + [x[2] for x in h]
+        stop = first_stop(g, accs, 1)
+        assert rep["stopped_epoch"] == (stop if stop is not None and stop < 3 else None), (accs, rep["stopped_epoch"])
+        assert done == (rep["stopped_epoch"] or 3)
+        assert ("; plateau: stop" in r.stdout) == (rep["stopped_epoch"] is not None)
+    assert rep["stopped_epoch"] == 1 and h[0][2] == rep["before"]["held_out"]["acc_in_level"]   # lr 1e-12
+    for extra in (["--train", "all"], ["--holdout-frac", 0.0], ["--epochs", 0]):     # CPT, nothing held out, --steps
+        err = assert_one_line_error(run("04_ground.py", *flags, *extra, check=False))
+        assert "--plateau 1: needs --train rows, --epochs E and held-out items" in err, err

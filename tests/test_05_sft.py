@@ -51,11 +51,11 @@ def test_prompt_rows_never_contain_valid_or_test_targets(sid_setup):
     sft = load_script("05_sft.py")
     tok, data, item_tok, seqs = held_out_setup(sid_setup)
     train, valid = [s[:-2] for s in seqs], [s[-2] for s in seqs]
-    rec, aux = sft.build_examples(train, len(item_tok), "prompt", 20, 0.5, seed=0)
-    assert len(rec) == sum(len(s) - 1 for s in train) and len(aux) == round(0.5 * len(rec))
+    rows = sft.RowBuilder(tok, "prompt", item_tok, data["texts"], train, 20)
+    rec, aux = sft.build_examples(train, "prompt", 20), sft.aux_examples(rows, len(item_tok), 400.0, seed=0)
+    assert len(rec) == sum(len(s) - 1 for s in train) and len(aux) > 20
     assert {k for k, _, _ in rec} == {sft.Kind.PROMPT_ROW}
     assert {k for k, _, _ in aux} == {sft.Kind.TEXT_TO_SID, sft.Kind.SID_TO_TEXT}
-    rows = sft.RowBuilder(tok, "prompt", item_tok, data["texts"], train, 20)
     held = [item_tok[58].tolist(), item_tok[59].tolist()]
     for ex in rec:
         ids, is_target = rows.row(ex)
@@ -76,7 +76,7 @@ def test_sequence_windows_cover_every_train_target_once(sid_setup):
     tok, data, item_tok, seqs = held_out_setup(sid_setup)
     train = [s[:-2] for s in seqs]
     H = 3
-    rec, _ = sft.build_examples(train, len(item_tok), "sequence", H, 0.0, seed=0)
+    rec = sft.build_examples(train, "sequence", H)
     rows = sft.RowBuilder(tok, "sequence", item_tok, data["texts"], train, H)
     pre = tok("User history: ", add_special_tokens=False).input_ids
     held = [item_tok[58].tolist(), item_tok[59].tolist()]
@@ -118,6 +118,23 @@ def test_validation_row_equals_06_prompt(sid_setup):
             assert ids[:n_prompt] == prompts[u], (objective, u)
             assert ids[n_prompt:n_prompt + 4] == item_tok[valid[u]].tolist()
     assert ev.DEFAULT_TEMPLATE == sft.TEMPLATES["prompt"]                         # folders without sft_config
+
+
+@pytest.mark.parametrize("objective", ["sequence", "prompt"])
+def test_aux_rows_carry_the_requested_share_of_target_tokens(sid_setup, objective):
+    """--aux-tokens r: the drawn aux rows hold ~r x the recommendation rows' target tokens (counted exactly:
+    every train target's SID, + eos in prompt rows); r = 0 draws none (a negative r: test_bad_input)."""
+    sft = load_script("05_sft.py")
+    tok, data, item_tok, _ = held_out_setup(sid_setup)
+    rows = sft.RowBuilder(tok, objective, item_tok, data["texts"], data["train"], 20)
+    rec = sft.build_examples(data["train"], objective, 20)
+    rec_tok = sft.target_tokens(rows, rec)
+    assert rec_tok == sum(len(s) - 1 for s in data["train"]) * (item_tok.shape[1] + (objective == "prompt"))
+    for r in (1.0, 0.5):
+        aux = sft.aux_examples(rows, len(item_tok), sft.parse_args(["--aux-tokens", str(r)]).aux_tokens * rec_tok, 0)
+        assert abs(sft.target_tokens(rows, aux) / (r * rec_tok) - 1) < 0.1, (r, len(aux))
+    off = sft.parse_args(["--aux-tasks", "--aux-tokens", "0"])
+    assert off.aux_tasks and sft.aux_examples(rows, len(item_tok), off.aux_tokens * rec_tok, 0) == []
 
 
 def test_aux_prompt_keeps_the_whole_title(sid_setup):
@@ -211,10 +228,11 @@ def test_aux_tasks_and_prompt_rows_reach_06(sid_setup, tmp_path):
     out, _, model_dir = sid_setup
     dst = str(tmp_path / "aux")
     r = run("05_sft.py", "--model", model_dir, "--save", dst, *TINY, "--steps", "3", "--aux-tasks", "--objective",
-            "prompt", "--softmax", "full", "--aux-ratio", "0.5", "--max-history", "5")
-    assert "88 auxiliary" in r.stdout                                         # 0.5 x 176 positions
+            "prompt", "--softmax", "full", "--aux-tokens", "0.5", "--max-history", "5")
     j = json.load(open(os.path.join(dst, "05_sft.json")))
-    assert j["aux_examples"] == 88 and j["val_level_names"][-1] == "eos"
+    assert j["rec_target_tokens"] == 176 * 5 and abs(j["aux_token_ratio"] - 0.5) < 0.05   # 176 positions x (SID, eos)
+    assert f"{j['aux_examples']} auxiliary rows (aux:rec target tokens {j['aux_token_ratio']:.2f})" in r.stdout
+    assert j["aux_target_tokens"] == round(j["aux_token_ratio"] * 880) and j["val_level_names"][-1] == "eos"
     run("06_eval.py", "--model", dst, "--out-dir", out, "--beam", "5", "--users", "8")
     res = json.load(open(os.path.join(dst, "eval_test.json")))
     assert res["template"] == "User history: {history}\nNext item:" and res["max_history"] == 5
@@ -248,7 +266,8 @@ def test_bad_input(sid_setup, tmp_path):
                                     "--resume", check=False))
     assert "resume" in err
     for flag, value in (("--batch-size", "0"), ("--eval-every", "0"), ("--grad-accum", "0"), ("--steps", "-3"),
-                        ("--objective", "chat"), ("--softmax", "sid"), ("--dtype", "fp8"), ("--epochs", "-1")):
+                        ("--objective", "chat"), ("--softmax", "sid"), ("--dtype", "fp8"), ("--epochs", "-1"),
+                        ("--aux-tokens", "-0.5")):
         err = assert_one_line_error(run("05_sft.py", "--model", model_dir, "--save", str(tmp_path / "y"), *TINY,
                                         flag, value, check=False))
         assert flag.lstrip("-").split("-")[0] in err, err

