@@ -1,6 +1,6 @@
 """Step 5: supervised fine-tuning (SFT) of the whole model on next-item prediction in SID tokens.
 
-Paper step: the recommendation task of both papers (TIGER-style generative retrieval; GTI, Chen et al. 2026, sec. 4.3
+Paper step: the recommendation task of both papers (TIGER-style generative retrieval; GTI, Chen et al. 2026, sec. 4.1
 "standard SFT"; centroid init, Loveland et al. 2026, sec. 5); `--aux-tasks` adds LC-Rec's item text <-> SID tasks
 (Zheng et al. 2024), `--aux-tokens` of their target tokens per recommendation target token (1:1 by default: LC-Rec
 trains them as a sizeable share of the data; 0.25 rows per sequence row were ~4% of the target tokens). The rows:

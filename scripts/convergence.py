@@ -79,6 +79,8 @@ KINDS = {
 }
 GROUND = {"centroid+gti": ("centroid", ["--steps", "120"]),    # 04's default light GTI, as make run
           "mean+gti": ("mean", ["--steps", "120"])}
+GTI2_EPOCHS, GTI2_PLATEAU = 30, 2     # two-stage GTI: at most 30 passes of grounding, stop after 2 without a rise
+EXAMPLES_PER_WINDOW = {"--aux-tasks": 39880 / 5299}   # 05 --aux-tasks (1:1 target tokens): rows per window, ML-100K
 
 
 def runs_of(a):
@@ -92,10 +94,13 @@ def runs_of(a):
     return runs
 
 
-def max_steps(a):
-    """--epochs rounded down to whole validation blocks: the last step is a validation step, so 05's
-    validation at its final step is not a second ranking a few steps after the previous one."""
-    return max(1, int(a.epochs * STEPS_PER_EPOCH) // a.eval_every) * a.eval_every
+def schedule(a, flags=()):
+    """(05's steps, its --eval-every): --epochs rounded down to whole validation blocks, so the last step is a
+    validation step. A run with auxiliary rows validates and stops after as many recommendation windows as the
+    others: both scaled by its rows per window."""
+    scale = max([1.0] + [EXAMPLES_PER_WINDOW[f] for f in flags if f in EXAMPLES_PER_WINDOW])
+    every = round(a.eval_every * scale)
+    return max(1, int(a.epochs * STEPS_PER_EPOCH) // a.eval_every) * every, every
 
 
 def record_path(name, ext=".json"):
@@ -139,6 +144,17 @@ def build_base(init, pinned_sha):
         src, flags = GROUND[init]
         sh(["04_ground.py", "--out-dir", BASE, "--model", f"{BASE}/models/{src}", "--save", f"{BASE}/models/{init}",
             *flags], log)
+    if init == "mean+gti2" and not os.path.exists(f"{base}/models/{init}/sid_vocab.json"):
+        rows = f"{BASE}/models/mean+gti2-rows"          # stage 1: the new rows, until held-out accuracy stalls
+        if not os.path.exists(f"{REPO}/{rows}/04_ground.json"):
+            sh(["04_ground.py", "--out-dir", BASE, "--model", f"{BASE}/models/mean", "--save", rows,
+                "--epochs", str(GTI2_EPOCHS), "--plateau", str(GTI2_PLATEAU)], log)
+        passes = json.load(open(f"{REPO}/{rows}/04_ground.json"))["epochs_done"]
+        resume = ["--resume"] if os.path.exists(f"{base}/models/{init}.resume.pt") else []
+        sh(["04_ground.py", "--out-dir", BASE, "--model", rows, "--train", "all", "--epochs", str(passes),
+            "--save", f"{BASE}/models/{init}", *resume], log)           # stage 2: every parameter, as many passes
+        for e in range(1, passes):                                      # 04 kept every epoch's folder
+            shutil.rmtree(f"{REPO}/{rows}+cpt{e}", ignore_errors=True)
 
 
 def stop_early(curve, total, patience=PATIENCE):
@@ -243,7 +259,7 @@ def run_one(a, name, kind, seed):
     if not os.path.exists(f"{REPO}/{save}/05_sft.json"):           # 05 to the cap, every validation kept
         resume = ["--resume"] if os.path.exists(f"{REPO}/{save}.resume.pt") else []
         sh(["05_sft.py", "--out-dir", BASE, "--model", f"{BASE}/models/{init}", "--save", save,
-            "--steps", str(max_steps(a)), "--eval-every", str(a.eval_every), "--keep-checkpoints",
+            "--steps", str(schedule(a, flags)[0]), "--eval-every", str(schedule(a, flags)[1]), "--keep-checkpoints",
             "--seed", str(seed), *flags, *resume], log)
     ranked = rank_checkpoints(a, save, log)
     best = f"{save}.checkpoints/step_{ranked['best_step']}"
@@ -495,7 +511,7 @@ def report(a, runs):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", default="", help="comma-separated run names (default: all of --inits x --seeds)")
-    p.add_argument("--inits", default="ceiling,random,centroid", help="which kinds of run")
+    p.add_argument("--inits", default=",".join(KINDS), help="which kinds of run (KINDS)")
     p.add_argument("--seeds", default="0,1", help="seeds of the random and centroid runs")
     p.add_argument("--epochs", type=float, default=3.0, help="at most this many epochs of 05")
     p.add_argument("--eval-every", type=int, default=220, help="05 steps between validations")
@@ -509,10 +525,14 @@ def main():
         sys.exit(f"error: unknown run(s) {bad}; choose from {list(runs)}")
     if not os.path.exists(f"{REPO}/{OUT}/sasrec/eval_test.json"):
         sys.exit(f"error: {OUT}/sasrec/eval_test.json not found; run `make run` first")
-    if a.dry_run:
-        steps = max_steps(a)
-        h = (steps * S_PER_STEP + (steps / a.eval_every + 1) * S_PER_RANK * a.rank_users / 943) / 3600
-        print(f"{len(todo)} runs x at most {steps:.0f} steps: at most {h:.1f} h each, {h * len(todo):.1f} h")
+    if a.dry_run:                   # the aux runs' steps are shorter: this over-counts them
+        hours = []
+        for name in todo:
+            steps, every = schedule(a, KINDS[runs[name][0]][1])
+            hours.append((steps * S_PER_STEP + (steps / every + 1) * S_PER_RANK * a.rank_users / 943) / 3600)
+            print(f"{name}: at most {steps} steps, validation every {every}: at most {hours[-1]:.1f} h")
+        print(f"{len(todo)} runs: at most {sum(hours):.1f} h (+ the grounding of two-stage GTI: up to "
+              f"{GTI2_EPOCHS} + {GTI2_EPOCHS} passes, ~6 + ~10 min each)")
         return
     for name in [] if a.report_only else todo:
         run_one(a, name, *runs[name])

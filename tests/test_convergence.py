@@ -291,3 +291,37 @@ def test_gti_claim_needs_a_baseline_that_trains():
 def test_unknown_kind_is_one_line():
     with pytest.raises(SystemExit, match=r"unknown kind 'mean-fulll' in --inits; choose from ceiling,"):
         conv.runs_of(argparse.Namespace(inits="mean-fulll", seeds="0"))
+
+
+def test_schedule_scales_the_aux_runs_to_the_same_windows():
+    a = argparse.Namespace(epochs=3.0, eval_every=220)
+    assert conv.schedule(a) == (1980, 220) == conv.schedule(a, conv.KINDS["mean-full"][1])
+    steps, every = conv.schedule(a, conv.KINDS["mean+aux-full"][1])           # 7.53 rows per window
+    assert every == round(220 * 39880 / 5299) and steps == 9 * every
+
+
+def test_two_stage_gti_base(tmp_path, monkeypatch):
+    """Two-stage GTI: 04 grounds the rows with the plateau rule, then trains every parameter for as many passes as
+    the first stage ran; the first stage's per-epoch CPT folders are removed; nothing reruns once built."""
+    monkeypatch.setattr(conv, "REPO", str(tmp_path))
+    fake_make_run(tmp_path, np.zeros((5, 4), np.int64))
+    calls, models = [], tmp_path / conv.BASE / "models"
+
+    def fake_sh(cmd, logs):
+        calls.append(cmd)
+        save = cmd[cmd.index("--save") + 1] if "--save" in cmd else f"{conv.BASE}/models/random"
+        (tmp_path / save).mkdir(parents=True, exist_ok=True)
+        (tmp_path / save / "sid_vocab.json").write_text("{}")
+        if "--plateau" in cmd:
+            (tmp_path / save / "04_ground.json").write_text(json.dumps({"epochs_done": 7}))
+        if "--train" in cmd:
+            (tmp_path / f"{cmd[cmd.index('--model') + 1]}+cpt3").mkdir()
+    monkeypatch.setattr(conv, "sh", fake_sh)
+    conv.build_base("mean+gti2", conv.pin_tokenizer())
+    stage1, stage2 = calls[1], calls[2]
+    assert stage1[stage1.index("--model") + 1].endswith("models/mean") and "--plateau" in stage1
+    assert stage2[stage2.index("--train") + 1] == "all" and stage2[stage2.index("--epochs") + 1] == "7"
+    assert stage2[stage2.index("--model") + 1].endswith("mean+gti2-rows") and "--resume" not in stage2
+    assert (models / "mean+gti2").is_dir() and not (models / "mean+gti2-rows+cpt3").exists()
+    conv.build_base("mean+gti2", conv.pin_tokenizer())
+    assert len(calls) == 3
