@@ -43,7 +43,6 @@ where its baseline beats most-popular) and results/ml-100k_convergence.png (vali
 SASRec and most-popular as lines; the vocabulary-softmax runs in a second panel).
 """
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -56,7 +55,8 @@ import torch
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
 from common import atomic_write  # noqa: E402
-from study import BACKBONE, REPO, ev, fmt_iv, link_artifacts, t_interval, verdict  # noqa: E402  (ev = 06's metrics)
+from study import (BACKBONE, REPO, ev, fmt_iv, link_artifacts, sha, sid_rows, t_interval,  # noqa: E402
+                   verdict)  # (ev = 06's metrics)
 OUT = "out/ml-100k"
 TOKENIZER = "results/convergence/tokenizer"  # 02's outputs every run trains on, committed
 TOKENIZER_FILES = ("sids.npy", "centroids.pt", "rqvae.pt", "02_rqvae.json")
@@ -105,10 +105,6 @@ def schedule(a, flags=()):
 
 def record_path(name, ext=".json"):
     return f"{REPO}/{RECORDS}/{name}{ext}"
-
-
-def sha(path):
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()[:12]
 
 
 def pin_tokenizer():
@@ -193,21 +189,6 @@ def rank_checkpoints(a, save, log):
             break
     return {"rank_curve": curve, "best_step": best, "stopped_at": stopped,
             "rank_seconds": round(sum(done[str(s)][2] for s, _, _ in curve), 1)}
-
-
-def sid_rows(folder):
-    """The SID token rows of a model folder in sid_vocab.json's order: {"input": (n, d)} and, where the head is
-    untied, {"head": (n, d)}, fp16."""
-    from safetensors import safe_open
-    ids = [t for level in json.load(open(f"{folder}/sid_vocab.json"))["token_ids"] for t in level if t >= 0]
-    rows = {}
-    for fn in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
-        with safe_open(f"{folder}/{fn}", framework="pt") as f:
-            for k in f.keys():
-                part = "input" if "embed_tokens" in k else "head" if k.endswith("lm_head.weight") else None
-                if part:
-                    rows[part] = f.get_tensor(k)[ids].to(torch.float16).numpy()
-    return rows, np.asarray(ids)
 
 
 def write_record(name, kind, seed, run_dir, best_dir, ranked):
@@ -368,9 +349,11 @@ def gti_claim(per_seed, pop_users, a, b, metric, judged):
     """One GTI claim from {kind: {seed: per-user metrics}}: a - b over users (the seeds both ran, averaged per user;
     paired bootstrap) and over seed pairs (t interval). A verdict only where b beats most-popular; with >= 2 seed
     pairs both intervals must agree. -> (ours, b's Recall@10, verdict)."""
-    if not (per_seed.get(a) and per_seed.get(b)):
+    if not per_seed.get(b):
         return "not run", "-", "not run yet"
     trained, b_text = baseline_trains(np.mean([m["recall@10"] for m in per_seed[b].values()], 0), pop_users)
+    if not per_seed.get(a):                                   # the baseline's training shown before a has run
+        return "not run", b_text, "not run yet"
     common = sorted(set(per_seed[a]) & set(per_seed[b]))
     if not common:
         return "no common seed", b_text, "not run yet"
@@ -409,7 +392,8 @@ def gti_report(recs, per, test, histories, pop):
             "over seed pairs, and both must agree. A row gets a verdict only where its baseline b beats most-popular "
             "(Recall@10, paired bootstrap above 0); otherwise the test could not have come out against the claim: "
             "not testable. Recall@5 and NDCG@5 are shown beside, as the paper reports them.", "",
-            "| claim | paper (Vibrent) | a - b (test) | b's Recall@10 vs most-popular | verdict |", "|---|---|---|---|---|"]
+            "| claim | paper (Vibrent) | a - b (test) | b's Recall@10 vs most-popular | verdict |",
+            "|---|---|---|---|---|"]
     for claim, paper, a, b, metric, judged in GTI_CLAIMS:
         ours, b_text, v = gti_claim(per_seed, pop_users, a, b, metric, judged)
         text.append(f"| {claim} ({a} - {b}) | {paper} | {ours} | {b_text} | {v} |")

@@ -21,7 +21,10 @@ def test_variants_table():
     V = study.VARIANTS
     assert len(study.DEFAULT_VARIANTS) == 11 and {
         "random", "mean", "centroid", "shuffled", "mean+gti", "centroid+gti", "random+gti", "mean+aux", "rqk-random",
-        "rqk-centroid", "rqk-shuffled"} == set(study.DEFAULT_VARIANTS) == {n for n, v in V.items() if not v.cpt}
+        "rqk-centroid", "rqk-shuffled"} == set(study.DEFAULT_VARIANTS) == {
+            n for n, v in V.items() if not v.cpt and v.softmax == "level"}
+    assert {n: (v.init, v.gti) for n, v in V.items() if v.softmax == "full"} == {
+        "mean-full": ("mean", False), "mean+gti-full": ("mean", True)}          # the papers' loss, not by default
     assert {n: v.cpt for n, v in V.items() if v.cpt} == {"random+cpt2": 2, "random+cpt8": 8, "centroid+cpt1": 1,
                                                          "centroid+cpt2": 2}
     assert all(v.cpt in study.CPT_EPOCHS[v.init] and v.tokenizer == "rqvae" for v in V.values() if v.cpt)
@@ -260,7 +263,7 @@ def fake_step(calls, kill):
 
     def model_folder(path):
         os.makedirs(path, exist_ok=True)
-        json.dump({}, open(os.path.join(path, "sid_vocab.json"), "w"))
+        json.dump({"token_ids": [[0, 1], [2, -1]]}, open(os.path.join(path, "sid_vocab.json"), "w"))
         save_file({"model.embed_tokens.weight": torch.zeros(4, 2)}, os.path.join(path, "model.safetensors"))
 
     def fake(script, args, log):
@@ -268,7 +271,8 @@ def fake_step(calls, kill):
         val = lambda flag: args[args.index(flag) + 1]
         if script == "01_embed_items.py":
             os.makedirs(val("--out-dir"), exist_ok=True)
-            torch.save({"test": torch.arange(U), "popularity": torch.arange(U) % 50},
+            torch.save({"test": torch.arange(U), "popularity": torch.arange(U) % 50,
+                        "sequences": [[0, u] for u in range(U)]},
                        os.path.join(val("--out-dir"), "dataset.pt"))
         elif script == "02_rqvae.py":
             np.save(os.path.join(val("--out-dir"), "sids.npy"), np.zeros((U, 3), np.int64))
@@ -394,3 +398,42 @@ def test_cpt_chain_runs_once_per_init_and_seed(tmp_path, monkeypatch):
     chains = study.collect_cpt(a)[1]              # the resumed chain's time: 04's loop over both parts, not the last
     assert chains[os.path.join("ml-100k", "_cpt", "centroid", "seed0")]["04c"] == 600.0
     assert "04 of ml-100k/_cpt/centroid/seed0: 10 min" in open(os.path.join(tmp_path / "r", "ml-100k.md")).read()
+
+
+def test_report_rebuilt_from_records_alone(constructed):
+    """collect() writes a record for every finished run folder; with the run folders gone the records give the
+    same report (the per-run records are what is committed)."""
+    import shutil
+    a, res, targets, pop = constructed
+    first = open(study.report(a, res, targets, pop, "python scripts/study.py --dataset toy --seeds 0,1,2")).read()
+    rd = study.records_dir(a)
+    assert sorted(f for f in os.listdir(rd) if f.startswith("random-s")) == [
+        f"random-s{s}{x}" for s in range(3) for x in (".json", "_test_topk.npy")]
+    shutil.rmtree(a.work_dir)
+    again = study.collect(a, list(study.VARIANTS))
+    seeds = lambda r: {v: [x["seed"] for x in rs] for v, rs in r.items()}  # noqa: E731
+    assert seeds(again) == seeds(res)
+    second = open(study.report(a, again, targets, pop, "python scripts/study.py --dataset toy --seeds 0,1,2")).read()
+    drop = lambda md: [l for l in md.splitlines() if not l.startswith("Machine:")]   # the date  # noqa: E731
+    assert drop(first) == drop(second)
+
+
+def test_a_baseline_below_most_popular_is_not_testable(constructed):
+    """A paired claim gets a verdict only where its baseline beats most-popular; records made on other SIDs are
+    flagged in the claim."""
+    a, res, targets, pop = constructed
+    hist = [[] for _ in targets]                    # most-popular with popularity = -target: hits every user at 1
+    md = open(study.report(a, res, targets, pop, "python scripts/study.py --dataset toy", (), hist)).read()
+    claims = {r[0]: r for r in table(md, "The papers' claims")}
+    assert not any("did not train" in r[3] for r in claims.values())          # most-popular 0.025
+    high = np.zeros(U) - np.arange(U)              # popularity ranks item 0 first, ... : user u's target u
+    md = open(study.report(a, res, targets, high, "python scripts/study.py --dataset toy", (),
+                           [[i for i in range(u)] for u in range(U)])).read()   # u's history: the items above u
+    claims = {r[0]: r for r in table(md, "The papers' claims")}
+    v = claims["centroid vs random: Recall@5"][3]
+    assert v.startswith("not testable: the baseline did not train (random's Recall@10 0.2500 vs most-popular 1.0000")
+    res["centroid"][0]["sids"] = "0123456789ab"
+    md = open(study.report(a, res, targets, pop, "python scripts/study.py --dataset toy")).read()
+    claims = {r[0]: r for r in table(md, "The papers' claims")}
+    assert "trained on 2 different SIDs: confounded" in claims["centroid vs random: Recall@5"][3]
+    assert "SIDs (sha256 of the sids.npy each run trained on): -, 012345;" in md
