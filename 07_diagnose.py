@@ -12,6 +12,7 @@ frequency, not semantics; neighbour purity), on each model's SID rows, per level
               projection on PC1)|; 5-fold ridge probe R^2 for log(1 + freq), lambda by inner CV
   purity      item vector = mean of its SID rows; share of its 10 nearest items (cosine) in its
               category, vs item_emb.npy, random Gaussian SID rows and chance (null when collapsed)
+  displacement (--inits) dE = rows - init rows: rms / init spread, |Spearman(freq, PC1 of dE)| vs shuffled freq
 
 Reads  <out-dir>/dataset.pt, item_emb.npy, sids.npy, centroids.pt, rqvae.pt (01-02), model folders (03-05)
 Writes <out-dir>/diagnostics.json (or --save); figures: python scripts/figures.py --diagnostics <that json>
@@ -37,9 +38,9 @@ def parse_args(argv=None):
     p = Parser(__doc__)
     p.add_argument("--out-dir", default="", help="artifacts folder of 01-02; empty: out/<dataset>")
     p.add_argument("--dataset", default="ml-100k", help="only picks the default --out-dir")
-    p.add_argument("--models", default="", help="comma-separated model folders (or names under "
-                   "<out-dir>/models); empty: every one with sid_vocab.json")
+    p.add_argument("--models", default="", help="comma-separated folders or names in <out-dir>/models; empty: all")
     p.add_argument("--names", default="", help="comma-separated labels for --models; empty: dirs")
+    p.add_argument("--inits", default="", help="comma-separated 03/04 folders --models started from (empty: none)")
     p.add_argument("--save", default="", help="JSON to write; empty: <out-dir>/diagnostics.json")
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda", "mps"], help="the purity's kNN search")
     p.add_argument("--seed", type=int, default=0, help="seeds the random rows and the probe folds")
@@ -140,14 +141,35 @@ def knn_purity(V: np.ndarray, labels: np.ndarray, k=PURITY_K, chunk=2048, device
     return float(torch.cat(hits).mean())
 
 
+def displacement(E0, E1, freq, seed=0, perms=1000, rtol=COLLAPSE_RTOL):
+    """dE = E1 - E0 (n, d); rms = sqrt(mean_i |dE_i|^2), spread = sqrt(mean_i |E0_i - mean E0|^2) (the init's), ratio
+    = rms / spread; rho = Spearman(freq, dE - mean dE on its PC1) vs `perms` shuffles of freq. Thm 3.1 (centroid
+    paper): a row's gradient gains a term ~ its token frequency. Not moved or a shift: pc1_*, perm_* null."""
+    n, dE = len(E0), E1 - E0
+    rms, spread, norm0 = (float(np.sqrt((Y ** 2).sum(1).mean())) for Y in (dE, E0 - E0.mean(0), E0))
+    flat = spread <= rtol * norm0                                       # mean init: no spread to compare with
+    out = {"n": n, "rms": rms, "spread": spread, "ratio": None if flat else rms / spread,
+           "moved": bool(rms > rtol * (norm0 if flat else spread)),
+           **dict.fromkeys(["pc1_freq_spearman", "pc1_freq_abs_spearman", "perm_p", "perm_q95"])}
+    Dc, proj = dE - dE.mean(0), np.zeros(n)
+    if not out["moved"] or np.linalg.norm(Dc) <= rtol * np.linalg.norm(dE):
+        return out, proj                                                # -> (results, PC1 coordinates (n,))
+    proj = Dc @ np.linalg.svd(Dc, full_matrices=False)[2][0]           # on dE's top direction (n,)
+    if (rho := spearman(freq, proj)) is not None:                       # shuffling freq shuffles its ranks
+        rf, rp, g = rankdata(freq) - (n + 1) / 2, rankdata(proj) - (n + 1) / 2, np.random.default_rng(seed)
+        null = np.abs(np.stack([g.permutation(rf) for _ in range(perms)]) @ rp) / np.sqrt((rf @ rf) * (rp @ rp))
+        out.update(pc1_freq_spearman=rho, pc1_freq_abs_spearman=abs(rho), perm_q95=float(np.quantile(null, 0.95)),
+                   perm_p=float(((null >= abs(rho) - 1e-12).sum() + 1) / (perms + 1)))
+    return out, proj
+
+
 # --- Data: 01-02's artifacts, the model folders' SID rows -----------------------------------------
 def load_step_artifacts(out: str):
     """Loading: dataset.pt, item_emb.npy and {sids, pop, category, centroids, codebooks}."""
     ds = load_pt(os.path.join(out, "dataset.pt"), "run 01_embed_items.py and 02_rqvae.py first")
     sids = load_npy(os.path.join(out, "sids.npy"), "run 02_rqvae.py first")
     item_emb = load_npy(os.path.join(out, "item_emb.npy"), "run 01_embed_items.py first")
-    cents = load_pt(os.path.join(out, "centroids.pt"), "run 02_rqvae.py first")
-    rq = load_pt(os.path.join(out, "rqvae.pt"), "run 02_rqvae.py first")
+    cents, rq = (load_pt(os.path.join(out, f), "run 02_rqvae.py first") for f in ("centroids.pt", "rqvae.pt"))
     try:
         data = {"sids": sids, "pop": ds["popularity"].numpy().astype(np.float64), "category": ds["category"].numpy(),
                 "centroids": [c.float().numpy() for c in cents["centroids"]],
@@ -171,8 +193,7 @@ def load_embedding(folder: str) -> np.ndarray:
     for path in [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]:
         try:
             with safe_open(path, framework="pt") as f:
-                keys = [k for k in f.keys() if "embed_tokens" in k]
-                if keys:
+                if keys := [k for k in f.keys() if "embed_tokens" in k]:
                     return f.get_tensor(keys[0]).float().numpy()
         except Exception as e:                                    # truncated or not safetensors
             die(f"{path} is unreadable ({type(e).__name__}); rebuild {folder} with its step")
@@ -220,14 +241,13 @@ def measure_rows(X, f, cent, book, seed, parent=None, lev=None):
     out["pop_spearman_abs"] = out["pop_probe_r2"] = None
     if len(X) >= 3 and not sp["collapsed"]:
         proj = Xc @ np.linalg.svd(Xc, full_matrices=False)[2][0]       # on the top direction (n,)
-        rho = spearman(f, proj)
-        out["pop_spearman_abs"] = abs(rho) if rho is not None else None
+        out["pop_spearman_abs"] = abs(rho) if (rho := spearman(f, proj)) is not None else None
         out["pop_probe_r2"] = ridge_probe_r2(X, np.log1p(f), seed=seed)
     return out, sp["singular_values"], proj
 
 
-def diagnose(E, tok, item_tok, vocab, data, seed: int):
-    """E: the model's SID rows (n_tokens, d); tok / item_tok index into E. -> results, figure data"""
+def diagnose(E, tok, item_tok, vocab, data, seed: int, init=None):
+    """E: the model's SID rows (n_tokens, d), tok / item_tok index into E; init: (folder, its E) or None"""
     sids, pop, cents, books = data["sids"], data["pop"], data["centroids"], data["codebooks"]
     codes = [np.flatnonzero(t >= 0) for t in tok]                      # used codes per level
     rows = [E[tok[l][c]] for l, c in enumerate(codes)]                 # (K_l, d)
@@ -241,8 +261,7 @@ def diagnose(E, tok, item_tok, vocab, data, seed: int):
         if l > 0:
             out["parent_share"] = float(np.mean([n.max() / n.sum() for n in up]))     # how well "majority" fits
         per_level[data["names"][l]] = out
-    X, f = np.concatenate(rows), np.concatenate(freq)
-    lev = np.concatenate([np.full(len(r), l) for l, r in enumerate(rows)])
+    X, f, lev = (np.concatenate(z) for z in (rows, freq, [np.full(len(r), l) for l, r in enumerate(rows)]))
     book = np.concatenate([books[l][codes[l]] for l in range(len(books))]).astype(np.float64)
     cent = np.concatenate([cents[l][c] for l, c in enumerate(codes)]).astype(np.float64)
     allb, s, proj = measure_rows(X, f, cent, book, seed, lev=lev)
@@ -250,18 +269,24 @@ def diagnose(E, tok, item_tok, vocab, data, seed: int):
     purity = None if allb["collapsed"] else knn_purity(E[item_tok].mean(1), data["category"], device=data["device"])
     res = {"levels": {**per_level, "all": allb}, "purity": purity, **vocab, "d_model": int(E.shape[1]),
            "spread_ratio_vocab_over_sid": None if allb["collapsed"] else vocab["vocab_spread"] / allb["spread"]}
-    return res, {"s": s, "proj": proj, "freq": f, "level": lev, "X": X}
+    fig = {"s": s, "proj": proj, "freq": f, "level": lev, "X": X}
+    if init is not None:                                                # the same tokens' rows at init
+        X0 = np.concatenate([init[1][tok[l][c]] for l, c in enumerate(codes)])
+        dis = {data["names"][l]: displacement(X0[lev == l], rows[l], freq[l], seed)[0] for l in range(len(rows))}
+        dis["all"], fig["dproj"] = displacement(X0, X, f, seed)
+        res["displacement"] = {"init_path": init[0], "levels": dis}
+    return res, fig
 
 
 # --- main: artifacts -> the models to diagnose -> references -> each model -> save ----------------
 def main():
-    a = parse_args()
-    t0 = time.time()
+    a, t0 = parse_args(), time.time()
     out = a.out_dir or os.path.join("out", a.dataset)
     ds, item_emb, data = load_step_artifacts(out)
     sids, cat, root = data["sids"], data["category"], os.path.join(out, "models")
+    where = lambda m: m if os.path.isdir(m) or os.sep in m else os.path.join(root, m)   # a folder or a name
     if a.models:
-        folders = [m if os.path.isdir(m) or os.sep in m else os.path.join(root, m) for m in a.models.split(",")]
+        folders = [where(m) for m in a.models.split(",")]
     else:                                                              # every <out>/models/* with sid_vocab.json
         mine = sorted(os.listdir(root)) if os.path.isdir(root) else []
         folders = [os.path.join(root, m) for m in mine if os.path.exists(os.path.join(root, m, "sid_vocab.json"))]
@@ -272,7 +297,14 @@ def main():
     labels = a.names.split(",") if a.names else [os.path.basename(os.path.normpath(f)) for f in folders]
     if len(labels) != len(folders) or len(set(labels)) != len(labels):
         die(f"--names must give {len(folders)} distinct labels, one per model (got {labels})")
+    inits = a.inits.split(",") if a.inits else [""] * len(folders)
+    if len(inits) != len(folders):
+        die(f"--inits names {len(inits)} folder(s) for {len(folders)} model(s); give one per model (empty: none)")
     loaded = [(f, *load_model_rows(f, sids)) for f in folders]    # validate all before any work
+    starts = [i and (where(i), *load_model_rows(where(i), sids)) for i in inits]   # as `loaded`, or ""
+    for (f, voc, _, _, E, _), st in zip(loaded, starts):
+        if st and (st[1]["token_ids"] != voc["token_ids"] or st[4].shape != E.shape):
+            die(f"--inits {st[0]} has other SID tokens or row widths than {f}; give the folder it started from")
     names = data["names"] = loaded[0][1].get("level_names") or [chr(97 + l) for l in range(sids.shape[1])]
     rand_rows = np.random.default_rng(a.seed).standard_normal(loaded[0][4].shape)  # reference: a row per token
     dev = data["device"] = pick_device(a.device)
@@ -281,13 +313,16 @@ def main():
                  "purity_chance": float(((np.bincount(cat)[cat] - 1) / (len(cat) - 1)).mean())}
     print(f"purity@{PURITY_K}: item_emb {reference['purity_item_emb']:.3f}  random SID rows "
           f"{reference['purity_random_sid_rows']:.3f}  chance {reference['purity_chance']:.3f}")
-    results, f3 = {}, lambda v: "  n/a" if v is None else f"{v:5.2f}"
-    for name, (folder, voc, tok, item_tok, E, vocab) in zip(labels, loaded):
-        res, _ = diagnose(E, tok, item_tok, vocab, data, a.seed)
+    results, f3 = {}, lambda v, f="5.2f": "  n/a" if v is None else format(v, f)
+    for name, (folder, voc, tok, item_tok, E, vocab), st in zip(labels, loaded, starts):
+        res, _ = diagnose(E, tok, item_tok, vocab, data, a.seed, (st[0], st[4]) if st else None)
         results[name], al = {"path": folder, "init": voc.get("init"), **res}, res["levels"]["all"]
+        dv = st and res["displacement"]["levels"]["all"]
         print(f"{name:<22} erank {al['effective_rank']:6.1f}  top1 {al['top1_var_share']:.2f}  mean_cos "
               f"{f3(al['mean_cos'])}  rsa_cent {f3(al['rsa_centroids'])}  rsa_book {f3(al['rsa_codebook'])}  "
-              f"pop|rho| {f3(al['pop_spearman_abs'])}  probe_r2 {f3(al['pop_probe_r2'])}  purity {f3(res['purity'])}")
+              f"pop|rho| {f3(al['pop_spearman_abs'])}  probe_r2 {f3(al['pop_probe_r2'])}  purity {f3(res['purity'])}"
+              + ("" if not st else "  not moved" if not dv["moved"] else f"  moved rms/spread {f3(dv['ratio'])}  "
+                 f"PC1(dE)~freq |rho| {f3(dv['pc1_freq_abs_spearman'])} (p {f3(dv['perm_p'], '.3f')})"))
     save = a.save or os.path.join(out, "diagnostics.json")
     os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
     summary = {"out_dir": out, "dataset": ds.get("dataset"), "num_items": int(len(sids)), "level_names": names,

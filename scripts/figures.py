@@ -9,7 +9,8 @@ spectrum (common.load_step) and writes one PNG. The second reads the JSON 07 wro
 and level names), gets each model's SID rows again with 07's loader and `diagnose`, and writes beside it
 <stem>_spectra.png (the spectra overlaid), <stem>_cosine.png (cosine heatmaps in (level, code) order, raw
 and centered per level, one column per model) and <stem>_popularity.png (log token frequency against the
-projection on PC1). Centered rows; p_i = s_i / sum s; erank = exp(H(p)).
+projection on PC1); where 07 had --inits, <stem>_displacement.png (token frequency against the coordinate on
+PC1 of dE = rows - init rows). Centered rows; p_i = s_i / sum s; erank = exp(H(p)).
 """
 import os
 import sys
@@ -58,7 +59,9 @@ def diagnostics_figures(path):
     results, raw = {}, {}
     for m, folder in models.items():                                    # the rows, as 07 measured them
         _, tok, item_tok, E, vocab = diag.load_model_rows(folder, data["sids"])
-        results[m], raw[m] = diag.diagnose(E, tok, item_tok, vocab, data, 0)
+        init = d["models"][m].get("displacement", {}).get("init_path")   # rows at init, as 07 read them
+        init = init and (init, diag.load_model_rows(init, data["sids"])[3])
+        results[m], raw[m] = diag.diagnose(E, tok, item_tok, vocab, data, 0, init or None)
     stem = os.path.splitext(path)[0]
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in raw:
@@ -72,6 +75,8 @@ def diagnostics_figures(path):
     nr = (len(raw) + nc - 1) // nc                                     # rows of panels
     figs = [save(fig, f"{stem}_spectra.png"), plot_cosine(f"{stem}_cosine.png", raw, nr, nc),
             plot_popularity(f"{stem}_popularity.png", results, raw, names, nr, nc)]
+    if any("dproj" in r for r in raw.values()):
+        figs.append(plot_displacement(f"{stem}_displacement.png", results, raw, names))
     print(f"wrote {', '.join(figs)}")
 
 
@@ -114,6 +119,30 @@ def plot_popularity(path, results, raw, names, nr, nc):
         ax.set_xlabel("log(1 + token freq)", fontsize=7)
         ax.set_ylabel("projection on PC1", fontsize=7)
     for ax in list(axes.flat)[len(raw):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6, markerscale=2)
+    return save(fig, path)
+
+
+def plot_displacement(path, results, raw, names):
+    """Per model with an init: 1 + token freq (log) against the coordinate on PC1 of dE (sign: rho >= 0)."""
+    ms = [m for m in raw if "dproj" in raw[m]]
+    nc = min(4, len(ms))
+    nr = (len(ms) + nc - 1) // nc
+    fig, axes = plt.subplots(nr, nc, figsize=(3.2 * nc, 3 * nr), squeeze=False)
+    f2 = lambda v: "n/a" if v is None else f"{v:.2f}"
+    for ax, m in zip(axes.flat, ms):
+        r, dv = raw[m], results[m]["displacement"]["levels"]["all"]
+        sign = -1.0 if (dv["pc1_freq_spearman"] or 0) < 0 else 1.0
+        for l in np.unique(r["level"]):
+            k = r["level"] == l
+            ax.scatter(1 + r["freq"][k], sign * r["dproj"][k], s=4, label=names[l])
+        ax.set_xscale("log")
+        ax.set_title(f"{m}: |rho| {f2(dv['pc1_freq_abs_spearman'])}, rms/spread {f2(dv['ratio'])}"
+                     + ("" if dv["moved"] else " (not moved)"), fontsize=8)
+        ax.set_xlabel("1 + token freq", fontsize=7)
+        ax.set_ylabel("coordinate on PC1 of dE", fontsize=7)
+    for ax in list(axes.flat)[len(ms):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=6, markerscale=2)
     return save(fig, path)

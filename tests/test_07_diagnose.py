@@ -97,6 +97,38 @@ def test_majority_parent_and_pair_means():
     assert "parent_share" not in res["levels"]["a"]
 
 
+def test_displacement_along_a_popularity_axis_is_found():
+    """Thm 3.1's drift built in: dE_i = c freq_i u + small noise; PC1 of dE orders tokens by freq, past all shuffles"""
+    g = np.random.default_rng(0)
+    E0, freq = g.standard_normal((200, 32)), g.pareto(1.5, 200) * 10 + 1            # heavy-tailed frequencies
+    u = g.standard_normal(32)
+    dE = 0.1 / freq.mean() * freq[:, None] * (u / np.linalg.norm(u)) + 1e-3 * g.standard_normal((200, 32))
+    res, proj = diag.displacement(E0, E0 + dE, freq, seed=0)
+    rms, spread = np.sqrt((dE ** 2).sum(1).mean()), np.sqrt(((E0 - E0.mean(0)) ** 2).sum(1).mean())
+    assert res["moved"] and res["rms"] == pytest.approx(rms) and res["spread"] == pytest.approx(spread)
+    assert res["ratio"] == pytest.approx(rms / spread) and 0.03 < res["ratio"] < 0.1  # barely moved, as built
+    assert res["pc1_freq_abs_spearman"] > 0.9 and res["perm_p"] < 0.01 and res["perm_p"] == pytest.approx(1 / 1001)
+    assert abs(res["pc1_freq_spearman"]) == res["pc1_freq_abs_spearman"] == abs(diag.spearman(freq, proj))
+    r = np.random.default_rng(0)                                   # the null: |Spearman| of shuffled freq, same draws
+    null = [abs(diag.spearman(r.permutation(freq), proj)) for _ in range(1000)]
+    assert res["perm_q95"] == pytest.approx(np.quantile(null, 0.95)) and res["perm_q95"] < 0.2
+
+
+def test_displacement_isotropic_zero_shift_and_collapsed_init():
+    g = np.random.default_rng(0)
+    E0, freq = g.standard_normal((200, 32)), g.pareto(1.5, 200) * 10 + 1
+    iso, _ = diag.displacement(E0, E0 + 0.1 * np.random.default_rng(3).standard_normal((200, 32)), freq, seed=0)
+    assert iso["moved"] and iso["pc1_freq_abs_spearman"] < 0.15 and iso["perm_p"] > 0.05   # nothing to find
+    pc1 = ["pc1_freq_spearman", "pc1_freq_abs_spearman", "perm_p", "perm_q95"]
+    zero, proj = diag.displacement(E0, E0.copy(), freq)
+    assert zero["moved"] is False and zero["rms"] == 0 and all(zero[k] is None for k in pc1) and not proj.any()
+    shift, _ = diag.displacement(E0, E0 + 0.5, freq)                # all rows moved alike: no direction to read
+    assert shift["moved"] and shift["rms"] == pytest.approx(0.5 * np.sqrt(32)) and shift["pc1_freq_spearman"] is None
+    mean = np.tile(E0[0], (200, 1))                                  # mean init: no spread, ratio undefined
+    coll, _ = diag.displacement(mean, E0, freq)
+    assert coll["moved"] and coll["ratio"] is None and coll["pc1_freq_abs_spearman"] is not None
+
+
 # --- the script on tiny model folders ------------------------------------------------------------
 def add_sid_tokens(base, dst, out_dir, init):
     """Copy a tiny model, add one token per used (level, code), set the new rows, write sid_vocab.json."""
@@ -181,6 +213,30 @@ def test_diagnose_save_path_and_subset(diag_setup, tmp_path):
     assert list(d["models"]) == ["R", "M"]
     run("scripts/figures.py", "--diagnostics", save)
     assert os.path.exists(str(tmp_path / "sub" / "after_init_cosine.png"))
+
+
+def test_diagnose_inits_displacement_then_figure(diag_setup, tmp_path):
+    out, _ = diag_setup
+    plain, save = str(tmp_path / "plain.json"), str(tmp_path / "disp.json")
+    run("07_diagnose.py", "--out-dir", out, "--models", "random,centroid,mean", "--save", plain)
+    r = run("07_diagnose.py", "--out-dir", out, "--models", "random,centroid,mean", "--inits",
+            os.path.join(out, "models", "random") + ",mean,", "--save", save)
+    d, p = json.load(open(save))["models"], json.load(open(plain))["models"]
+    assert "not moved" in r.stdout and "moved rms/spread   n/a  PC1(dE)~freq |rho|" in r.stdout  # centroid: from mean
+    assert "displacement" not in d["mean"] and "displacement" not in p["random"]
+    for m in d:                                                     # the other fields: the same numbers
+        assert {k: v for k, v in d[m].items() if k != "displacement"} == p[m]
+    same, cent = d["random"]["displacement"], d["centroid"]["displacement"]
+    assert set(same["levels"]) == {"a", "b", "c", "d", "all"} and same["init_path"].endswith("random")
+    for lv in same["levels"].values():
+        assert lv["moved"] is False and lv["rms"] == 0 and lv["pc1_freq_abs_spearman"] is None and lv["perm_p"] is None
+    assert cent["levels"]["all"]["moved"] and cent["levels"]["all"]["ratio"] is None   # the mean init is one point
+    run("scripts/figures.py", "--diagnostics", save)
+    assert open(str(tmp_path / "disp_displacement.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not os.path.exists(str(tmp_path / "plain_displacement.png"))
+    err = assert_one_line_error(run("07_diagnose.py", "--out-dir", out, "--models", "random,mean", "--inits", "random",
+                                    check=False))
+    assert "--inits" in err and "1 folder(s) for 2 model(s)" in err
 
 
 def test_bad_inputs_one_line(diag_setup, tmp_path):
