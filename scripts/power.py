@@ -6,10 +6,13 @@ with probability `power` when the effect is at least
     MDE = (q_{1 - alpha/2} + q_{power}) * SE            (q: normal, or Student t with df = pairs - 1)
 SE comes from the study's own 95% intervals: SE = half-width / 1.96 for the users' paired bootstrap
 (943 users, the seeds pooled per user), SE = half-width / t_{0.975, k-1} for the t interval over k
-seed pairs. A claim's MDE is the larger of the two (its verdict needs both intervals). An
-"inconclusive" verdict is then "underpowered" (MDE > the paper's effect) or "no effect of the
-paper's size" (MDE <= it, and the interval covers 0). The paper's relative effects (+6.5% ...) are
-turned into absolute ones with the baseline the study measured (ours / our relative difference).
+seed pairs. A verdict needs both intervals above 0, so the larger of the two MDEs is only a lower
+bound: the rule's own MDE is simulated (joint_power), as a range over how much of the two noises is
+one (shared: the per-user run noise both intervals see; apart: they add). An "inconclusive" verdict
+is then "underpowered" (the rule's MDE > the paper's effect), "no effect of the paper's size" (<= it,
+and the interval covers 0) or "borderline"; what would settle it grows users AND seed pairs together.
+The paper's relative effects (+6.5% ...) are turned into absolute ones with the baseline the study
+measured (ours / our relative difference).
 
     python scripts/power.py                      # reads results/ml-100k.md, writes results/ml-100k_power.md
 """
@@ -19,10 +22,13 @@ import os
 import re
 import sys
 
+import numpy as np
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Z975, Z80 = 1.959964, 0.841621
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883}
+DRAWS = 20000          # simulated studies per power (its standard error ~0.003 at 80%)
 NUM = r"([+-]?\d+(?:\.\d+)?)"
 INTERVAL = NUM + r" \[" + NUM + ", " + NUM + r"\]"
 
@@ -50,6 +56,44 @@ def pairs_needed(se_k: float, k: int, effect: float, most: int = 1000) -> int:
         if mde(sd / math.sqrt(n), n - 1) <= effect:
             return n
     return most
+
+
+def joint_power(effect: float, se_u: float, se_s: float, k: int, shared: bool, draws: int = DRAWS, seed: int = 0):
+    """Power of the verdict rule (the users' 95% interval AND the t interval over k seed pairs above 0) in simulated
+    studies. Both intervals are centred on one estimate, the mean of the pairs' differences d_s = effect + c + e_s:
+    e_s ~ N(0, k se_s^2) is the runs' noise (the t interval's width comes from the d_s), c the users' noise, one draw
+    for every pair (the bootstrap's half-width: Z975 se_u). shared=False: c ~ N(0, se_u^2), the two add (per-user run
+    noise, which both intervals see, counted twice: pessimistic); shared=True: c ~ N(0, max(0, se_u^2 - se_s^2)),
+    the runs' noise is inside the users' (optimistic). -> (power of the users' interval, the seeds', both)."""
+    g = np.random.default_rng(seed)
+    c2 = se_u ** 2 - (min(se_u, se_s) ** 2 if shared else 0.0)
+    est = effect + g.standard_normal(draws) * math.sqrt(c2 + se_s ** 2)
+    se_hat = se_s * np.sqrt(g.chisquare(k - 1, draws) / (k - 1))           # the t interval's own SE estimate
+    users, seeds = est > Z975 * se_u, est > t_quantile(0.975, k - 1) * se_hat
+    return float(users.mean()), float(seeds.mean()), float((users & seeds).mean())
+
+
+def joint_mde(se_u: float, se_s: float, k: int, shared: bool) -> float:
+    """The smallest effect the verdict rule detects in 80% of simulated studies (bisection; the same simulated
+    studies at every effect, so the power rises with it)."""
+    lo, hi = 0.0, 10 * (se_u + se_s) * t_quantile(0.975, k - 1)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if joint_power(mid, se_u, se_s, k, shared)[2] >= 0.8 else (mid, hi)
+    return hi
+
+
+def together(effect: float, se_u: float, se_s: float, k: int, users: int, shared: bool, most: int = 10000):
+    """Users and seed pairs, grown by one factor n / k, at which the verdict rule detects `effect` in 80% of simulated
+    studies: -> (users, n), or None past `most` pairs."""
+    power = lambda n: joint_power(effect, se_u * math.sqrt(k / n), se_s * math.sqrt(k / n), n, shared)[2]  # noqa: E731
+    if power(most) < 0.8:
+        return None
+    lo, hi = 1, most
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if power(mid) >= 0.8 else (mid, hi)
+    return math.ceil(users * hi / k), hi
 
 
 def parse_claims(text: str):
@@ -95,7 +139,7 @@ def analyse(claim, paper, ours, verdict, users: int):
     ours_rel = float(m_users.group(4)) if m_users.group(4) else 0.0
     base = abs(d / (ours_rel / 100)) if ours_rel else 0.0
     effect = None if effect_rel is None else effect_rel * base
-    out = {"claim": claim, "ours": d, "effect": effect, "unit": "", "verdict": verdict,
+    out = {"claim": claim, "ours": d, "effect": effect, "unit": "", "verdict": verdict, "se_u": se_of(lo, hi),
            "mde_users": mde(se_of(lo, hi)), "mde_seeds": None, "k": 0}
     if m_seeds:
         s_lo, s_hi, k = float(m_seeds.group(2)), float(m_seeds.group(3)), int(m_seeds.group(4))
@@ -103,33 +147,46 @@ def analyse(claim, paper, ours, verdict, users: int):
     return out
 
 
+def rule_mde(r):
+    """The verdict rule's MDE, (shared, apart) as in joint_power where both intervals exist, else the one's."""
+    if r["mde_users"] is not None and r["mde_seeds"] is not None:
+        return tuple(joint_mde(r["se_u"], r["se_s"], r["k"], shared) for shared in (True, False))
+    one = r["mde_users"] if r["mde_seeds"] is None else r["mde_seeds"]
+    return one, one
+
+
 def report(rows, users: int, beauty_users: int):
-    lines = ["| claim | paper's effect | ours | MDE, users | MDE, seed pairs | verdict | what it means "
-             "| users for MDE = effect | seed pairs for MDE = effect | Beauty's users: MDE |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| claim | paper's effect | ours | MDE, users | MDE, seed pairs | MDE, the verdict's rule | verdict "
+             "| what it means | to reach MDE = effect | Beauty's users: MDE |", "|---" * 10 + "|"]
+    span = lambda a, b: a if a == b else f"{a}-{b}"  # noqa: E731
     for r in rows:
         e, f = r["effect"], (lambda v: "-" if v is None else f"{v:.4f}" if not r["unit"] else f"{v:.0f}")
-        binding = max(v for v in (r["mde_users"], r["mde_seeds"]) if v is not None)
-        sized = e is not None and e > 0
+        lo, hi = rule_mde(r)
+        rule, sized = span(f(lo), f(hi)), e is not None and e > 0
         if r["verdict"] != "inconclusive":
             meaning = r["verdict"]
         elif e is None:
-            meaning = f"the paper gives no size; MDE {f(binding)}"
+            meaning = f"the paper gives no size; MDE {rule}"
         elif not sized:
             meaning = "our baseline is 0, so the paper's relative effect has no size here"
-        elif binding > e:
-            meaning = f"underpowered (MDE {f(binding)} > {f(e)})"
+        elif lo > e:
+            meaning = f"underpowered (MDE {rule} > {f(e)})"
+        elif hi <= e:
+            meaning = f"no effect of the paper's size (MDE {rule} <= {f(e)}, interval covers 0)"
         else:
-            meaning = f"no effect of the paper's size (MDE {f(binding)} <= {f(e)}, interval covers 0)"
-        sized = sized and r["verdict"] == "inconclusive"             # how many would have settled it
-        n_users = "-" if r["mde_users"] is None or not sized else \
-            f"{math.ceil(users * (r['mde_users'] / e) ** 2):,}"
-        n_pairs = "-" if r["mde_seeds"] is None or not sized else str(pairs_needed(r["se_s"], r["k"], e))
+            meaning = f"borderline (MDE {rule} around {f(e)})"
+        need = "-"                                                    # what would have settled it
+        if sized and r["verdict"] == "inconclusive" and r["mde_users"] is not None and r["mde_seeds"] is not None:
+            t = [together(e, r["se_u"], r["se_s"], r["k"], users, shared) for shared in (True, False)]
+            need = "over 10,000 seed pairs" if None in t else \
+                f"{span(f'{t[0][0]:,}', f'{t[1][0]:,}')} users and {span(t[0][1], t[1][1])} seed pairs together"
+        elif sized and r["verdict"] == "inconclusive":
+            need = f"{pairs_needed(r['se_s'], r['k'], e)} seed pairs" if r["mde_users"] is None else \
+                f"{math.ceil(users * (r['mde_users'] / e) ** 2):,} users (one seed pair: the users' interval only)"
         beauty = "-" if r["mde_users"] is None else f(r["mde_users"] * math.sqrt(users / beauty_users))
         ours = f"{r['ours']:+.0f}" if r["unit"] else f"{r['ours']:+.4f}"
-        lines.append(f"| {r['claim']} | {f(e)} | {ours} | {f(r['mde_users'])} | "
-                     f"{f(r['mde_seeds'])} ({r['k']} pairs) | {r['verdict']} | {meaning} | {n_users} | "
-                     f"{n_pairs} | {beauty} |")
+        lines.append(f"| {r['claim']} | {f(e)} | {ours} | {f(r['mde_users'])} | {f(r['mde_seeds'])} ({r['k']} pairs) "
+                     f"| {rule} | {r['verdict']} | {meaning} | {need} | {beauty} |")
     return lines
 
 
@@ -152,9 +209,13 @@ def main():
             f"{'' if a.results_dir == 'results' else ' --results-dir ' + a.results_dir}` from the intervals in "
             f"[{a.dataset}.md]({a.dataset}.md). MDE = minimum detectable effect at 80% power, 5% two-sided: "
             "(q_0.975 + q_0.80) x SE, SE read back from each 95% interval (users: normal; seed pairs: t "
-            "with pairs - 1 df). The paper's relative effect is made absolute with our baseline. Users "
-            "for MDE = effect: at the same per-user variance, MDE falls as 1 / sqrt(users) (the seeds "
-            "kept). Beauty's users: the users' MDE at 22,363 users, the same per-user variance assumed "
+            "with pairs - 1 df). The verdict needs both intervals above 0, so the larger of the two MDEs "
+            "is only a lower bound: the rule's MDE is simulated (20,000 studies sharing one estimate, the "
+            "users' noise common to every seed pair), from the runs' noise inside the users' (the per-user "
+            "run noise both intervals see) to the two adding up. To reach MDE = effect: users and seed "
+            "pairs grown together by one factor (the same per-user and per-pair variance); more of one "
+            "alone leaves the other interval too wide. The paper's relative effect is made absolute with our "
+            "baseline. Beauty's users: the users' MDE at 22,363 users, the same per-user variance assumed "
             "(a rough guide: Beauty's hit rates, and so its variance, are lower).", "",
             *report(rows, a.users, a.beauty_users), ""]
     dst = os.path.join(REPO, a.results_dir, f"{a.dataset}_power.md")

@@ -160,15 +160,17 @@ def step03(run, v, seed, dev):
                 os.path.join(run, "models", v.init, "sid_vocab.json"))
 
 
-def step07(run, stage, model, name, dev):
+def step07(run, stage, model, name, dev, init=""):
+    """07 on one model folder; init: the folder it trained from (07 --inits: its rows' displacement, the movement)."""
     return Step(f"07_{stage}", "07_diagnose.py", [
-        "--out-dir", run, "--models", model, "--names", name, "--save", os.path.join(run, f"diag_{stage}.json"),
-        *dev], os.path.join(run, f"diag_{stage}.json"))
+        "--out-dir", run, "--models", model, "--names", name, *(["--inits", init] if init else []),
+        "--save", os.path.join(run, f"diag_{stage}.json"), *dev], os.path.join(run, f"diag_{stage}.json"))
 
 
 def plan_cpt(a, init, seed):
     """A CPT chain (shared by the +cpt variants of its init and seed): 03, one 04 --train all run of max(CPT_EPOCHS[init])
-    epochs (04 saves a folder after every epoch), and 07 on the 03 folder and on the CPT_EPOCHS[init] ones."""
+    epochs (04 saves a folder after every epoch), and 07 on the 03 folder and on the CPT_EPOCHS[init] ones (--inits the
+    03 folder: the rows' displacement since 03)."""
     run, dev, eps = cpt_dir(a, init, seed), ["--device", a.device], CPT_EPOCHS[init]
     model = os.path.join(run, "models", init)
     last = f"{model}+cpt{max(eps)}"
@@ -176,7 +178,7 @@ def plan_cpt(a, init, seed):
              Step("04c", "04_ground.py", ["--out-dir", run, "--model", model, "--train", "all", "--epochs", max(eps),
                                           "--save", last,
                                           "--seed", seed, *dev], os.path.join(last, "04_ground.json"))]
-    steps += [step07(run, f"cpt{e}", f"{model}+cpt{e}", init, dev) for e in eps]
+    steps += [step07(run, f"cpt{e}", f"{model}+cpt{e}", init, dev, model) for e in eps]
     return [s._replace(args=[str(x) for x in s.args]) for s in steps]
 
 
@@ -199,7 +201,7 @@ def plan(a, variant, seed):
                                        *(["--aux-tasks"] if v.aux else []), "--seed", seed, *dev,
                                        *(["--softmax", v.softmax] if v.softmax != "level" else [])],
                    os.path.join(final, "05_sft.json")),
-              step07(run, "sft", final, variant, dev),
+              step07(run, "sft", final, variant, dev, model),                  # model: the folder 05 started from
               Step("06", "06_eval.py", ["--model", final, "--out-dir", run, "--protocol", "excluded",
                                         "--cold-max", COLD_MAX, *dev],
                    os.path.join(final, "eval_test.json"))]
@@ -560,36 +562,100 @@ def verdict(lo, hi):
     return "reproduced" if lo > 0 else "not reproduced" if hi < 0 else "inconclusive"
 
 
-def threshold_verdict(effect, t):
-    """Geometry claims: reproduced when effect >= t, not reproduced when effect <= 0, else inconclusive."""
-    if effect is None:
-        return "inconclusive"
-    return "reproduced" if effect >= t else "not reproduced" if effect <= 0 else "inconclusive"
+# Geometry claims about training need rows that moved: rms(rows - the rows training started from, 07 --inits) >= MOVED
+# x the spread of those, on the seeds (seed_low). 0.5: rows pushed toward other rows (the most damaging move) by 0.25
+# of the spread lose ~0.05 RSA with their init and no kNN purity, by 0.5 ~0.26 RSA and ~0.11 purity (simulated, 194
+# clustered rows x 576), past the claims' thresholds (0.05-0.2): below 0.5 a geometry verdict reads the init.
+MOVED = 0.5
+# The CPT claim's "~": both intervals of (centroid + 1 - random + 8) inside +-6.5% of random + 8's Recall@5, the
+# centroid paper's headline gain (the smallest difference it reports as one); taken from the paper, but set after the
+# CPT runs had been seen (their +-0.012 intervals were known): a new CPT study must fix its margin before its runs.
+EQUIV_MARGIN = 0.065
 
 
-def geo(res, v, stage, key):
-    """Mean over seeds of a 07 number ('levels.all.<key>' or top-level 'purity'); None when absent."""
-    xs = [(d["purity"] if key == "purity" else d["levels"]["all"].get(key))
-          for r in res.get(v, []) for d in [r["diag"].get(stage)] if d]
-    xs = [x for x in xs if x is not None]
-    return float(np.mean(xs)) if xs else None
+def seed_low(xs):
+    """The lower end of the 95% t interval over seeds (the smallest value with one seed, or with an infinite one)."""
+    return min(xs) if len(xs) < 2 or not np.all(np.isfinite(xs)) else t_interval(xs)[1]
 
 
-def cpt_geo(cpt, init, epoch, key):
-    """({seed: a 07 number} of the chains after `epoch` CPT epochs, the epoch) ("last": the most epochs run)."""
-    per = cpt.get(init, {})
+def seed_verdict(effects, t, zero=0.0):
+    """A threshold judged on the seeds, not on the mean: the 95% t interval of the per-seed effect; reproduced when its
+    lower end >= t, not reproduced when its upper end <= zero, else inconclusive. -> (effect text, verdict)."""
+    m, lo, hi = t_interval(effects)
+    one = lo is None
+    lo, hi = (m, m) if one else (lo, hi)
+    v = "reproduced" if lo >= t else "not reproduced" if hi <= zero else "inconclusive"
+    return f"{m:+.3f}" + ("" if one else f" [{lo:+.3f}, {hi:+.3f}]"), v + (" (provisional, 1 seed)" if one else "")
+
+
+def displacement(d):
+    """07's displacement numbers (all levels) of one model entry; None where 07 ran without --inits (old records)."""
+    return ((d or {}).get("displacement") or {}).get("levels", {}).get("all")
+
+
+def moved(d):
+    """rms(dE) / spread of the init's rows: None when not measured, 0 when dE is ~0, inf when the init rows had no
+    spread (mean init: all their geometry is training's)."""
+    m = displacement(d)
+    return None if m is None else 0.0 if not m.get("moved") else float("inf") if m.get("ratio") is None \
+        else float(m["ratio"])
+
+
+def gate(sides):
+    """Whether a geometry claim could have failed: every side {label: {seed: 07 entry}} of rows training produced moved
+    (seed_low of rms/spread >= MOVED). -> (movement text, None where testable, else the verdict)."""
+    text, why = [], None
+    for label, ds in sides.items():
+        xs = [moved(d) for d in ds.values()]
+        if not xs or None in xs:
+            return f"{label}: movement not measured", "not testable: movement not measured"
+        lo = seed_low(xs)
+        text.append(f"{label} {np.mean(xs):.2f}" + (f" (low end {lo:.2f})" if len(xs) > 1 else ""))
+        why = why or (f"not testable at this budget (rms/spread {lo:.2f} < {MOVED})" if lo < MOVED else None)
+    return "moved (rms/spread of the init's rows): " + ", ".join(text), why
+
+
+def run_diags(res, v, stage):
+    """{seed: 07 entry} of a variant's runs at a stage."""
+    return {r["seed"]: r["diag"][stage] for r in res.get(v, []) if r["diag"].get(stage)}
+
+
+def chain_diags(cpt, init, epoch):
+    """({seed: 07 entry} of the chains after `epoch` CPT epochs, the epoch) ("last": the most epochs run)."""
+    per = (cpt or {}).get(init, {})
     epoch = max(per, default=None) if epoch == "last" else epoch
-    xs = {s: d["purity"] if key == "purity" else d["levels"]["all"].get(key) for s, d in per.get(epoch, {}).items()}
-    return {s: x for s, x in xs.items() if x is not None}, epoch
+    return per.get(epoch, {}), epoch
 
 
 def convergence(res, a_, b_):
-    """Steps to the worse of the two variants' mean best validation loss, paired by seed (same example order)."""
+    """Steps to the worse of the two variants' mean best validation loss, paired by seed (same example order). A run
+    that never gets there counts at its last validation (censored: >= the cap), not dropped. -> (the loss, {variant:
+    {seed: steps or None}}, [(b's - a's steps, the censored side "a" | "b" | "", b's steps)] over the seed pairs where
+    one got there)."""
     best = [np.mean([r["sft"]["best_val_loss"] for r in res.get(v, []) if r["sft"]] or [np.nan]) for v in (a_, b_)]
     thr = max(best)
-    steps = {v: {r["seed"]: steps_to(r["sft"]["val_curve"], thr) for r in res.get(v, []) if r["sft"]} for v in (a_, b_)}
-    both = sorted(s for s in steps[a_] if s in steps[b_] and steps[a_][s] is not None and steps[b_][s] is not None)
-    return thr, steps, [steps[b_][s] - steps[a_][s] for s in both]      # > 0: a_ needs fewer steps
+    curves = {v: {r["seed"]: r["sft"]["val_curve"] for r in res.get(v, []) if r["sft"]} for v in (a_, b_)}
+    steps = {v: {s: steps_to(c, thr) for s, c in curves[v].items()} for v in (a_, b_)}
+    out = []
+    for s in sorted(set(steps[a_]) & set(steps[b_])):
+        x, y = (steps[v][s] if steps[v][s] is not None else float(curves[v][s][-1][0]) for v in (a_, b_))
+        side = "a" if steps[a_][s] is None else "b" if steps[b_][s] is None else ""
+        if steps[a_][s] is not None or steps[b_][s] is not None:
+            out.append((y - x, side, y))
+    return thr, steps, out
+
+
+def censored_verdict(pairs):
+    """The verdict on paired savings (> 0: the claim's side) where a run that never got there counts at its cap.
+    pairs: [(saving, side, ...)]; side "a": the claim's variant never got there (the saving is at most the value: the
+    pair counts against the claim), "b": the baseline never did (at least the value), "": both did. The 95% t interval
+    over the values; reproduced only when its lower end > 0 and no pair is "a", not reproduced only when its upper end
+    < 0 and no pair is "b" (a bound is read only in the direction it holds). -> (mean, lo, hi, verdict)."""
+    m, lo, hi = t_interval([p[0] for p in pairs])
+    v, sides = verdict(lo, hi), {p[1] for p in pairs}
+    if (v == "reproduced" and "a" in sides) or (v == "not reproduced" and "b" in sides):
+        v = "inconclusive (a censored pair bounds the saving the other way)"
+    return m, lo, hi, v
 
 
 def boot(x, y):
@@ -616,9 +682,12 @@ def pairs(variants):
 
 # The papers' claims (docs/papers.md), in its order. paired: a - b over users (metric; "cold:" = cold targets only);
 # steps: SFT steps to the same validation loss, b - a per seed; geometry: a 07 number after SFT (or at init),
-# effect = a - b, or 1 - a / b for "ratio", judged by a plain threshold; cpt_geometry: the same on the CPT chains
-# (a after what[1] epochs - b after what[2]; "last" = the most epochs run); cpt: Recall@5 of a (centroid + 1
-# CPT epoch) against b (random + 2) and what (random + 8). Thresholds fixed before the CPT runs.
+# effect = a - b, or 1 - a / b for "ratio", per seed; cpt_geometry: the same on the CPT chains (a after what[1]
+# epochs - b after what[2]; "last" = the most epochs run); axis / cpt_axis: Theorem 3.1's popularity axis, the
+# |Spearman| of token frequency with PC1 of a's displacement (after SFT / after what[0] CPT epochs); geometry
+# thresholds on the seeds' interval (seed_verdict), each only where the trained rows moved (gate); cpt: Recall@5 of a
+# (centroid + 1 CPT epoch) above b (random + 2) and within EQUIV_MARGIN of what (random + 8). The geometry thresholds
+# were fixed before the CPT runs; EQUIV_MARGIN after them (above).
 CLAIMS = [  # claim, paper's number, kind, a, b, what
     ("GTI: mean init collapses the SID rows, low-rank after SFT", "qualitative (SVD spectrum, cosine)",
      "geometry", "mean", "mean+gti", ("effective_rank", "sft", "sft", "ratio", 0.5)),
@@ -638,7 +707,7 @@ CLAIMS = [  # claim, paper's number, kind, a, b, what
     ("centroid vs random: SFT steps to the same validation loss", "27% fewer on average (up to 40%)",
      "steps", "centroid", "random", None),
     ("random init drifts to a popularity axis (Thm 3.1)", "qualitative (rows organize by popularity)",
-     "geometry", "random", "random", ("pop_spearman_abs", "sft", "init", "difference", 0.2)),
+     "axis", "random", "random", ("sft", 0.2)),
     ("shuffled centroids < centroid: Recall@5", "lower (ablation; no number given)",
      "paired", "centroid", "shuffled", "recall@5"),
     ("shuffled centroids < centroid: Recall@5, RQ-KMeans SIDs", "lower (ablation; no number given)",
@@ -646,9 +715,9 @@ CLAIMS = [  # claim, paper's number, kind, a, b, what
     ("centroid init keeps item semantics after SFT (purity)", "qualitative (CPT does not recover them)",
      "geometry", "centroid", "random", ("purity", "sft", "sft", "difference", 0.05)),
     ("CPT does not recover semantics from random init (purity)", "qualitative (CPT does not recover them)",
-     "cpt_geometry", "centroid", "random", ("purity", 0, "last", 0.05)),
+     "cpt_geometry", "centroid", "random", ("purity", 0, "last", "difference", 0.05)),
     ("random rows organize by popularity during CPT", "qualitative (rows organize by popularity)",
-     "cpt_geometry", "random", "random", ("pop_spearman_abs", "last", 0, 0.2)),
+     "cpt_axis", "random", "random", ("last", 0.2)),
     ("centroid + 1-4 CPT epochs ~ random + 6-10 CPT epochs: Recall@5", "qualitative (CPT epochs to the same "
      "quality)", "cpt", "centroid+cpt1", "random+cpt2", "random+cpt8"),
 ]
@@ -664,39 +733,87 @@ def trains(pu, b_, pop_users):
                                            f"{pop_users.mean():.4f}: {fmt_iv(d)}")
 
 
+def equivalence(ivs, margin):
+    """Two one-sided tests at +-margin on 95% intervals (2.5% each side): 'equivalent' when every interval lies inside
+    (-margin, +margin), 'different' when every one lies wholly beyond it on one side, else 'inconclusive' (a wide
+    interval that covers 0 is not equivalence)."""
+    ivs = [iv for iv in ivs if iv[1] is not None]
+    if all(-margin < lo and hi < margin for _, lo, hi in ivs):
+        return "equivalent"
+    sides = {"above" if lo >= margin else "below" if hi <= -margin else "" for _, lo, hi in ivs}
+    return "different" if len(sides) == 1 and "" not in sides else "inconclusive"
+
+
+def geometry_row(res, cpt, kind, a_, b_, what):
+    """A geometry claim: the per-seed effect over the seeds both sides have, judged on its seed interval, only where
+    every trained side moved (gate). kind "geometry": runs (what: key, stage a, stage b, form, t); "cpt_geometry":
+    the chains (epochs); "axis" / "cpt_axis": Theorem 3.1's axis of a's displacement (what: stage or epoch, t)."""
+    chain = kind.startswith("cpt_")
+    side = lambda v, st: chain_diags(cpt, v, st) if chain else (run_diags(res, v, st), st)  # noqa: E731
+    label = lambda v, st: f"{v} after {st} CPT epochs" if chain else f"{v} ({st})"  # noqa: E731
+    seeds = lambda xs: f"seed{'s' * (len(xs) > 1)} {','.join(map(str, xs))}"  # noqa: E731
+    if kind.endswith("axis"):
+        (ds, st), t = side(a_, what[0]), what[1]
+        if not ds or (chain and not st):
+            return "not run", "not run yet"
+        move, why = gate({label(a_, st): ds})
+        m = [displacement(d) or {} for d in ds.values()]
+        rho, q95 = [x.get("pc1_freq_abs_spearman") for x in m], [x.get("perm_q95") for x in m]
+        if None in rho + q95:                               # moved, but dE shifts every row alike: no PC1
+            return move, why or "not testable: dE is one shift of every row (no PC1)"
+        iv, v = seed_verdict(rho, t, zero=max(q95))
+        v = "inconclusive (a seed within its permutation null)" if v.startswith("reproduced") and not all(
+            r > q for r, q in zip(rho, q95)) else v
+        return (f"abs(Spearman) of token frequency with PC1 of dE ({label(a_, st)} - its init): {iv} over "
+                f"{seeds(list(ds))} (threshold {t}; permutation null q95 <= {max(q95):.3f}); {move}", why or v)
+    key, sa, sb, form, t = what
+    (da, sa), (db, sb) = side(a_, sa), side(b_, sb)
+    both = sorted(set(da) & set(db))
+    val = lambda d: d["purity"] if key == "purity" else d["levels"]["all"].get(key)  # noqa: E731
+    xa, xb = [val(da[s]) for s in both], [val(db[s]) for s in both]
+    if not both or None in xa + xb or (form == "ratio" and not all(xb)) or (chain and not max(sa, sb)):
+        return "not run", "not run yet"
+    iv, v = seed_verdict([1 - x / y if form == "ratio" else x - y for x, y in zip(xa, xb)], t)
+    move, why = gate({label(v_, st): {s: d[s] for s in both} for v_, d, st in ((a_, da, sa), (b_, db, sb))
+                      if st not in ("init", 0)})
+    return (f"{key}: {label(a_, sa)} {np.mean(xa):.3f}, {label(b_, sb)} {np.mean(xb):.3f} (mean over "
+            f"{seeds(both)}); effect {'1 - a / b' if form == 'ratio' else 'a - b'} = {iv} (threshold {t}); {move}",
+            why or v)
+
+
+def paired_ivs(pu, a_, b_, part, metric):
+    """a - b over users (the seeds both ran, pooled per user; 06's bootstrap) and over seed pairs (t interval). ->
+    (users' [d, lo, hi], seeds' [m, lo, hi], the per-seed differences, x, y, #common seeds)."""
+    x, y, nc = paired_users(pu[a_], pu[b_], part, metric)
+    sd = seed_diffs(pu[a_], pu[b_], part, metric)
+    return boot(x, y), t_interval(sd), sd, x, y, nc
+
+
 def claim_row(res, pu, kind, a_, b_, what, cpt=None, pop_users=None):
     """(ours, verdict) of one claim. A paired claim gets a verdict only where its baseline b_ beats most-popular
     (trains); otherwise it could not have come out against the claim: not testable."""
-    if kind == "cpt":      # reproduced: random + 2 epochs is still below centroid + 1, random + 8 is not
+    if kind == "cpt":      # reproduced: centroid + 1 above random + 2 and equivalent to random + 8 (EQUIV_MARGIN)
         (t2, v2), (t8, v8) = (claim_row(res, pu, "paired", a_, b, "recall@5", pop_users=pop_users)
                               for b in (b_, what))
         if "not run" in (t2, t8):
             return "not run", "not run yet"
-        v2, v8 = v2.split(" (")[0], v8.split(" (")[0]
-        v = ("reproduced" if v2 == "reproduced" and v8 != "reproduced" else "not reproduced"
-             if v2 == "not reproduced" else f"inconclusive ({what} still below)" if v8 == "reproduced"
-             else "inconclusive")
-        return f"{a_} - {b_}: {t2}; {a_} - {what}: {t8}", v
-    if kind == "cpt_geometry":
-        key, ea, eb, t = what                                  # both sides over the seeds both chains reached
-        (xa, ea), (xb, eb) = cpt_geo(cpt or {}, a_, ea, key), cpt_geo(cpt or {}, b_, eb, key)
-        both = sorted(set(xa) & set(xb))
-        if not both or not max(ea, eb):
-            return "not run", "not run yet"
-        va, vb = np.mean([xa[s] for s in both]), np.mean([xb[s] for s in both])
-        n = f"seed{'s' * (len(both) > 1)} {','.join(map(str, both))}"
-        return (f"{key}: {a_} after {ea} CPT epochs {va:.3f}, {b_} after {eb} CPT epochs {vb:.3f} (mean over {n}); "
-                f"effect a - b = {va - vb:+.3f} (threshold {t})", threshold_verdict(va - vb, t))
+        d, iv, _, _, y, _ = paired_ivs(pu, a_, what, "all", "recall@5")
+        margin = EQUIV_MARGIN * float(y.mean())
+        eq, v2 = equivalence([d, iv], margin), v2.split(" (")[0]
+        v = next((x for x in (v2, v8) if x.startswith("not testable")), None) or (
+            "reproduced" if v2 == "reproduced" and eq == "equivalent" else "not reproduced"
+            if v2 == "not reproduced" or eq == "different" else f"inconclusive ({a_} vs {b_}: {v2}; vs {what}: {eq})")
+        return (f"{a_} - {b_}: {t2}; {a_} - {what}: {t8}; equivalence margin +-{margin:.4f} ({EQUIV_MARGIN:.1%} of "
+                f"{what}'s Recall@5): {eq}", v)
+    if kind != "paired" and kind != "steps":
+        return geometry_row(res, cpt, kind, a_, b_, what)
     if kind == "paired":
         part, metric = what.split(":") if ":" in what else ("all", what)
         if not (pu.get(a_) and pu.get(b_)):
             return "not run", "not run yet"
-        x, y, nc = paired_users(pu[a_], pu[b_], part, metric)
-        d = boot(x, y)
+        d, iv, sd, x, y, nc = paired_ivs(pu, a_, b_, part, metric)
         base = float(y.mean()) if d[0] is not None else 0.0
         rel = f" ({100 * d[0] / base:+.1f}%)" if base > 0 else ""
-        sd = seed_diffs(pu[a_], pu[b_], part, metric)
-        iv = t_interval(sd)
         users, seeds = verdict(d[1], d[2]), verdict(iv[1], iv[2])
         # Two kinds of noise: which users are tested (bootstrap) and which training run (seeds). A verdict needs
         # both intervals on the same side of 0; with one seed pair only the bootstrap exists (flagged provisional).
@@ -711,37 +828,31 @@ def claim_row(res, pu, kind, a_, b_, what, cpt=None, pop_users=None):
             v, note = "not testable: the baseline did not train", f" ({base_txt})"
         return (f"{fmt_iv(d)}{rel}; {pu[a_]['seeds']} vs {pu[b_]['seeds']} seeds ({nc} common), {len(x)} users"
                 f"{seed_txt}", v + note)
-    if kind == "steps":
-        thr, steps, d = convergence(res, a_, b_)
-        iv = t_interval(d)
-        if iv[0] is None:
-            if not (steps[a_] and steps[b_]):
-                return "not run", "not run yet"
-            reach = [f"{sum(x is not None for x in steps[v].values())}/{len(steps[v])} seeds of {v}" for v in (a_, b_)]
-            return (f"no seed pair in which both reach val loss {thr:.3f} (the worse mean best of the two) within "
-                    f"the budget: {', '.join(reach)} do", "inconclusive")   # both ran; no seed of both reached it
-        mb = np.mean([x for x in steps[b_].values() if x is not None])
-        return (f"{fmt_iv(iv, '{:+.1f}')} steps fewer ({100 * iv[0] / mb:+.1f}% of {b_}'s {mb:.0f}) to val loss "
-                f"{thr:.3f} (the worse mean best of the two), linear between validations every {EVAL_EVERY} steps; "
-                f"95% t interval over {len(d)} seed pairs", verdict(iv[1], iv[2]))
-    key, st_a, st_b, form, t = what
-    va, vb = geo(res, a_, st_a, key), geo(res, b_, st_b, key)
-    if va is None or vb is None or (form == "ratio" and not vb):
-        return "not run", "not run yet"
-    e = 1 - va / vb if form == "ratio" else va - vb
-    return (f"{key}: {a_} ({st_a}) {va:.3f}, {b_} ({st_b}) {vb:.3f}; effect "
-            f"{'1 - a / b' if form == 'ratio' else 'a - b'} = {e:+.3f} (threshold {t})", threshold_verdict(e, t))
+    thr, steps, d = convergence(res, a_, b_)                              # steps: censored pairs kept as bounds
+    if not d:
+        if not (steps[a_] and steps[b_]):
+            return "not run", "not run yet"
+        reach = [f"{sum(x is not None for x in steps[v].values())}/{len(steps[v])} seeds of {v}" for v in (a_, b_)]
+        return (f"no seed pair in which either reaches val loss {thr:.3f} (the worse mean best of the two) within "
+                f"the budget: {', '.join(reach)} do", "inconclusive")   # both ran; no seed of either reached it
+    m, lo, hi, v = censored_verdict(d)
+    mb, cens = np.mean([p[2] for p in d]), [p[1] for p in d]
+    return (f"{fmt_iv([m, lo, hi], '{:+.1f}')} steps fewer ({100 * m / mb:+.1f}% of {b_}'s {mb:.0f}) to val loss "
+            f"{thr:.3f} (the worse mean best of the two), linear between validations every {EVAL_EVERY} steps; "
+            f"95% t interval over {len(d)} seed pairs" + (f" (a run that never got there counted at its last step: "
+                                                          f"{cens.count('a')} of {a_}, {cens.count('b')} of {b_})"
+                                                          if any(cens) else ""), v)
 
 
 def claim_cmd(cmd, kind, a_, b_, what):
-    if kind == "cpt_geometry":                                 # the chains behind the +cpt variants
+    if kind.startswith("cpt_"):                                # the chains behind the +cpt variants
         return f"`{cmd} --variants random+cpt8,centroid+cpt1 --cpt-only`"
     return f"`{cmd} --variants {','.join(dict.fromkeys([a_, b_] + ([what] if kind == 'cpt' else [])))}`"
 
 
 def claim_variants(kind, a_, b_, what):
-    """The variants a claim needs (cpt_geometry: the +cpt variants whose chains it reads)."""
-    if kind == "cpt_geometry":
+    """The variants a claim needs (cpt_geometry, cpt_axis: the +cpt variants whose chains it reads)."""
+    if kind.startswith("cpt_"):
         return {v for v, d in VARIANTS.items() if d.cpt and d.init in (a_, b_)}
     return {a_, b_, what} if kind == "cpt" else {a_, b_}
 
@@ -792,8 +903,15 @@ def report(a, res, targets, popularity, cmd, figs=(), histories=None):
            "GTI claims at the validation peak, under the papers' vocabulary softmax: ml-100k_convergence.md.", "",
            "Verdict: reproduced when the 95% interval of (ours - baseline) lies above 0, "
            "not reproduced when it lies below 0, inconclusive when it contains 0; with >= 2 seed pairs both intervals "
-           "(users and seeds) must agree, otherwise the difference is inside the seed spread: inconclusive. Geometry "
-           "rows use the stated threshold (reproduced at >= threshold, not reproduced at <= 0)."
+           "(users and seeds) must agree, otherwise the difference is inside the seed spread: inconclusive. Steps: a "
+           "run that never reaches the loss counts at its last step, a bound read only in the direction it holds. "
+           "Geometry: the 95% t interval of the per-seed effect, reproduced at lower end >= the threshold, not "
+           "reproduced at upper end <= 0 (popularity axis: <= the permutation null's q95; reproduced only where every "
+           "seed beats it), and only where the rows training produced moved, rms(rows - the rows it started from) >= "
+           f"{MOVED} x their spread on the seeds' interval (lower end; one seed: its value): below that even rows "
+           "pushed toward other rows keep their init's RSA and purity within the thresholds. CPT: centroid + 1 ~ "
+           f"random + 8 only with both intervals inside +-{EQUIV_MARGIN:.1%} of random + 8's Recall@5 (the centroid "
+           "paper's headline gain; two one-sided tests), not from a difference that is merely not significant."
            + (f" **Provisional: {fewest} seed(s) for some variants.** The bootstrap resamples users, not "
               "training runs; with fewer than 3 seeds a verdict can flip with the next seed." if fewest < 3 else ""), "",
            "| claim | paper | ours | verdict | command |", "|---|---|---|---|---|"]
@@ -840,29 +958,33 @@ def report(a, res, targets, popularity, cmd, figs=(), histories=None):
         md += [f"| {x} | {y} | " + " | ".join(fmt_iv(boot(*paired_users(ex[x], ex[y], "all", k)[:2]))
                                               for k, _ in METRICS) + " |" for x, y in pairs(list(ex))]
     # --- geometry
+    mv = lambda ds: "inf" if float("inf") in map(moved, ds) else mean_std(list(map(moved, ds)), "{:.2f}")  # noqa: E731
     md += [] if not variants else ["", "## Geometry of the SID rows (07, all levels; mean +- std over seeds)", "",
-           "| variant | stage | " + " | ".join(n for _, n in GEOMETRY) + " | purity@10 |", "|---" * (len(GEOMETRY) + 3) + "|"]
+           f"moved: rms(rows - the rows training started from) / their spread (a claim needs >= {MOVED}; inf: the "
+           "init rows had no spread; -: not measured).", "",
+           "| variant | stage | " + " | ".join(n for _, n in GEOMETRY) + " | purity@10 | moved |",
+           "|---" * (len(GEOMETRY) + 4) + "|"]
     for v in variants:
         for st in ("init", "ground", "sft"):
             ds = [r["diag"][st] for r in res[v] if r["diag"].get(st)]
             if ds:
                 md.append(f"| {v} | {st} | " + " | ".join(mean_std([d["levels"]["all"].get(k) for d in ds], "{:.2f}")
                                                           for k, _ in GEOMETRY)
-                          + f" | {mean_std([d['purity'] for d in ds], '{:.3f}')} |")
+                          + f" | {mean_std([d['purity'] for d in ds], '{:.3f}')} | {mv(ds)} |")
     if cpt:
         md += ["", "## Geometry after CPT, before SFT (07 on the CPT chains' folders; mean +- std over seeds)", "",
                "04 --train all: every parameter, lr 1e-4 after 10 warmup steps (constant), 8 text <-> SID pairs a "
                "step; an epoch is one pass over the pairs. Epoch 0 is 03's rows."
                + "".join(f" 04 of {c}: {t['04c'] / 60:.0f} min." for c, t in chains.items() if "04c" in t), "",
-               "| init | CPT epochs | seeds | " + " | ".join(n for _, n in GEOMETRY) + " | purity@10 |",
-               "|---" * (len(GEOMETRY) + 4) + "|"]
+               "| init | CPT epochs | seeds | " + " | ".join(n for _, n in GEOMETRY) + " | purity@10 | moved |",
+               "|---" * (len(GEOMETRY) + 5) + "|"]
         for init, per in cpt.items():
             for e, ds in sorted(per.items()):
                 diags = list(ds.values())
                 md.append(f"| {init} | {e} | {len(ds)} ({','.join(map(str, sorted(ds)))}) | "
                           + " | ".join(mean_std([d["levels"]["all"].get(k) for d in diags], "{:.2f}")
                                        for k, _ in GEOMETRY)
-                          + f" | {mean_std([d['purity'] for d in diags], '{:.3f}')} |")
+                          + f" | {mean_std([d['purity'] for d in diags], '{:.3f}')} | {mv(diags)} |")
     # --- validation curves
     figs = [validation_figure(a, res, variants, thr) if variants else None] + list(figs)
     if any(figs):

@@ -2,7 +2,7 @@
 the patience rule applied to 06's ranking of 05's kept checkpoints (best, stop, the checkpoints after the stop never
 ranked, a killed ranking resumed), a finished run's record round-trips (the report needs no out/ folder), a run
 with a record on the pinned SIDs is not rerun and one on other SIDs is, and the efficiency verdict pairs seeds and
-refuses a pair whose peak was not reached."""
+keeps a pair whose peak was not reached as a bound (censored), against the claim where it is centroid's."""
 import argparse
 import json
 
@@ -160,13 +160,33 @@ def test_efficiency_verdict():
     recs["centroid-s1"][0]["sids_sha256"] = "abc"                  # trained on other SIDs: flagged
     assert "confounded with the tokenizer" in conv.efficiency(recs)[0][1]
     assert "confounded" not in conv.efficiency(recs)[0][0]
-    recs["centroid-s1"] = rec("centroid", 1, 1980, 1980)            # best at its last validation
-    lines, v = conv.efficiency(recs)
-    assert "peak not reached" in lines[1] and v.startswith("inconclusive") and "one seed pair, no interval" in v
+    recs["centroid-s1"] = rec("centroid", 1, 1980, 1980)            # best at its last validation: peak >= 1980
+    lines, v = conv.efficiency(recs)                                # kept, at most -80% saved: against the claim
+    assert lines[1] == ("seed 1: best step random 1100, centroid 1980 (centroid best at its last validation: peak not "
+                        "reached): centroid >= +80% steps, counted against the claim")
+    assert v.startswith("inconclusive: centroid +25% steps") and "1 censored at the cap" in v   # (-30% and >= +80%)
     capped = {"random-s0": rec("random", 0, 1980, 1980), "centroid-s0": rec("centroid", 0, 900, 1340)}
-    lines, v = conv.efficiency(capped)
-    assert v == "inconclusive: no seed pair where both runs reached their peak"
+    lines, v = conv.efficiency(capped)                              # random still rising: a saving of at least 55%
+    assert "centroid <= -55% steps" in lines[0] and v == (
+        "inconclusive: centroid -55% steps to its peak vs random (one seed pair, no interval; 1 censored at the cap; "
+        "paper: -27%)")
+    both = {"random-s0": rec("random", 0, 1980, 1980), "centroid-s0": rec("centroid", 0, 1980, 1980)}
+    lines, v = conv.efficiency(both)
+    assert "no information" in lines[0] and v == "inconclusive: no seed pair where either run reached its peak"
     assert conv.efficiency({"ceiling": rec("centroid+gti", 0, 1988, 1988)}) == ([], v)
+
+
+def test_a_censored_pair_is_a_bound_not_dropped():
+    """Six seed pairs where centroid peaks ~30% earlier and one where it is still rising at the cap: dropping that
+    pair would read 'reproduced'; kept as a bound (its saving at most 0), the claim is inconclusive."""
+    recs = {}
+    for sd, c in enumerate((700, 690, 710, 720, 680, 705)):
+        recs.update({f"random-s{sd}": rec("random", sd, 1000, 1440), f"centroid-s{sd}": rec("centroid", sd, c, 1140)})
+    assert conv.efficiency(recs)[1].startswith("reproduced: centroid -30% steps")
+    recs.update({"random-s6": rec("random", 6, 1980, 1980 + 440), "centroid-s6": rec("centroid", 6, 1980, 1980)})
+    lines, v = conv.efficiency(recs)
+    assert "centroid >= +0% steps, counted against the claim" in lines[6]
+    assert v.startswith("inconclusive (a censored pair bounds the saving the other way): centroid -26% steps")
 
 
 def curve(init, seed, ndcg, every=220):
@@ -185,16 +205,18 @@ def test_reach_reads_the_first_validation_at_random_peak():
     assert v == "inconclusive: centroid -33% steps to random's peak (one seed pair, no interval; paper: -27%)"
     recs["random-s1"] = curve("random", 1, [0.0, 0.05, 0.09, 0.10, 0.09])             # peak at 660 again
     recs["centroid-s1"] = curve("centroid", 1, [0.0, 0.04, 0.07, 0.095, 0.099])        # never reaches it
-    lines, v = conv.reach(recs)
-    assert lines[1] == "seed 1: random's best 0.1000 at step 660; centroid reaches it at no validation up to step 880"
-    assert "one seed pair" in v
+    lines, v = conv.reach(recs)                                     # kept: at least 880 steps, against the claim
+    assert lines[1] == ("seed 1: random's best 0.1000 at step 660; centroid reaches it at no validation up to step "
+                        "880: >= +33% steps, counted against the claim")
+    assert v.startswith("inconclusive: centroid ") and v.endswith(   # -33% and >= +33%: a mean of 0
+        "0% steps to random's peak (95% t interval over seed pairs [-424%, +424%]; 1 censored at the cap; paper: -27%)")
     recs["centroid-s1"] = curve("centroid", 1, [0.0, 0.10, 0.10, 0.09, 0.09])          # 220: -67%
     lines, v = conv.reach(recs)                                     # two pairs: -33% and -67%, t_{0.975,1} = 12.7
     assert lines[1].endswith("at step 220: -67% steps")
     assert v == "inconclusive: centroid -50% steps to random's peak (95% t interval over seed pairs [-262%, +162%]; paper: -27%)"
     recs["centroid-s1"] = curve("centroid", 1, [0.0, 0.07, 0.095, 0.12, 0.09])         # 660: +0%
     assert "[-228%, +195%]" in conv.reach(recs)[1]
-    assert conv.reach({"random-s0": recs["random-s0"]}) == ([], "inconclusive: centroid reaches random's peak in no seed pair")
+    assert conv.reach({"random-s0": recs["random-s0"]}) == ([], "inconclusive: no seed pair with both validation curves")
 
 
 def test_report_from_records_alone(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """scripts/power.py: the MDE formula on constructed data, and the claims table it reads."""
 import numpy as np
+import pytest
 
 from conftest import load_script
 
@@ -43,7 +44,47 @@ def test_reads_a_claim_row_into_mde_and_meaning():
     assert abs(row["mde_users"] - (1.959964 + 0.841621) * 0.0194 / 2 / 1.959964) < 1e-6
     assert row["k"] == 3 and abs(row["mde_seeds"] - (4.303 + 1.061) * 0.0322 / 2 / 4.303) < 1e-6
     (line,) = pw.report([row], 943, 22363)[2:]
-    assert "underpowered" in line
+    assert "underpowered (MDE 0.0218-0.0225 > 0.0044)" in line          # the rule's, above both 0.0139 and 0.0201
+    assert "9,430-11,002 users and 30-35 seed pairs together" in line     # not 9,441 users or 20 pairs
+
+
+def test_the_verdict_rule_is_weaker_than_either_interval():
+    """Both intervals must lie above 0: where the two MDEs are equal each interval alone clears 0 in ~80% of studies,
+    the rule less often than either; the rule's MDE is above both single MDEs."""
+    se_s = 0.005
+    effect = pw.mde(se_s, 2)                                            # the seeds' MDE over 3 pairs ...
+    se_u = effect / (pw.Z975 + pw.Z80)                                  # ... is also the users' MDE
+    assert abs(pw.mde(se_u) - effect) < 1e-12
+    for shared in (True, False):
+        users, seeds, both = pw.joint_power(effect, se_u, se_s, 3, shared)
+        assert both < min(users, seeds) - 0.02 and both < 0.8, (shared, users, seeds, both)
+        assert pw.joint_mde(se_u, se_s, 3, shared) > effect
+    assert pw.joint_mde(se_u, se_s, 3, False) > pw.joint_mde(se_u, se_s, 3, True)    # the noises adding: wider
+    users, n = pw.together(effect, se_u, se_s, 3, 943, True)
+    assert n > 3 and users == np.ceil(943 * n / 3)
+    assert pw.joint_power(effect, se_u * np.sqrt(3 / n), se_s * np.sqrt(3 / n), n, True)[2] >= 0.8
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_joint_power_matches_studies_simulated_user_by_user(shared):
+    """The model behind joint_power against whole simulated studies (users x seeds, the users' normal interval and
+    the seeds' t interval on the same data): shared = per-user run noise only (both intervals see it); apart = a
+    user effect common to every seed plus a shift per seed (each interval sees one)."""
+    g, n_users, k, effect, studies = np.random.default_rng(1), 200, 3, 0.03, 3000
+    hits = []
+    for _ in range(studies):
+        if shared:
+            x = effect + g.normal(0, 0.5, (n_users, k))                    # per user and seed
+        else:
+            x = effect + g.normal(0, 0.3, (n_users, 1)) + g.normal(0, 0.02, (1, k))
+        z, d = x.mean(1), x.mean(0)
+        users = z.mean() - 1.96 * z.std(ddof=1) / np.sqrt(n_users) > 0
+        seeds = d.mean() - 4.303 * d.std(ddof=1) / np.sqrt(k) > 0
+        hits.append((users, seeds, users and seeds))
+    se_u, se_s = (0.5 / np.sqrt(k * n_users), 0.5 / np.sqrt(k * n_users)) if shared else \
+        (0.3 / np.sqrt(n_users), 0.02 / np.sqrt(k))
+    model = pw.joint_power(effect, se_u, se_s, k, shared)
+    assert np.allclose(np.mean(hits, 0), model, atol=0.03), (np.mean(hits, 0), model)
 
 
 def test_a_cpt_row_is_two_comparisons():

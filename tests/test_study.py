@@ -44,12 +44,46 @@ def test_steps_to_intervals_verdicts():
     assert study.t_interval([1.0])[1:] == [None, None]
     assert study.verdict(0.1, 0.3) == "reproduced" and study.verdict(-0.3, -0.1) == "not reproduced"
     assert study.verdict(-0.1, 0.2) == "inconclusive" and study.verdict(None, None) == "inconclusive"
-    assert [study.threshold_verdict(e, 0.2) for e in (0.3, 0.1, -0.1, None)] == \
-        ["reproduced", "inconclusive", "not reproduced", "inconclusive"]
+    # geometry thresholds on the seeds' interval, not on the mean: mean 0.3 but the interval reaches below 0.2
+    assert study.seed_verdict([0.3, 0.3, 0.3], 0.2) == ("+0.300 [+0.300, +0.300]", "reproduced")
+    assert study.seed_verdict([0.1, 0.3, 0.5], 0.2)[1] == "inconclusive"
+    assert study.seed_verdict([-0.1, -0.12, -0.11], 0.2)[1] == "not reproduced"
+    assert study.seed_verdict([0.3], 0.2) == ("+0.300", "reproduced (provisional, 1 seed)")
+    assert study.seed_verdict([0.10, 0.11, 0.12], 0.2, zero=0.15)[1] == "not reproduced"  # below the null's q95
+    assert study.seed_low([0.6, 0.7, 0.8]) == pytest.approx(0.7 - 4.303 * 0.1 / np.sqrt(3))
+    assert study.seed_low([0.6]) == 0.6 and study.seed_low([np.inf, 0.6]) == 0.6
+
+
+def test_steps_count_a_run_that_never_gets_there_at_its_cap():
+    """Steps to the same loss: a seed pair where one run never reaches it is kept with that run at its last step
+    (dropping it would favour the slower variant); the bound is read only in the direction it holds."""
     run = lambda s, best: {"seed": s, "sft": {"best_val_loss": best, "val_curve": [[0, 5.0, 0.0], [44, best, 0.1]]}}
     res = {"centroid": [run(0, 1.0), run(1, 3.0)], "random": [run(0, 3.0), run(1, 1.0)]}   # each seed: one reaches 2.0
+    assert study.convergence(res, "centroid", "random")[2] == [(44 - 33.0, "b", 44.0), (33.0 - 44, "a", 33.0)]
     ours, v = study.claim_row(res, {}, "steps", "centroid", "random", None)
-    assert v == "inconclusive" and "no seed pair" in ours and "1/2 seeds of centroid, 1/2 seeds of random" in ours
+    assert v == "inconclusive" and "over 2 seed pairs (a run that never got there counted at its last step: " \
+        "1 of centroid, 1 of random)" in ours
+    fast = [[0, 5.0, 0], [44, 3.0, 0], [88, 2.0, 0], [132, 1.0, 0], [176, 1.0, 0], [220, 1.0, 0]]
+    slow = lambda end: [[0, 5.0, 0], [44, 4.0, 0], [88, 3.5, 0], [132, 3.3, 0], [176, 3.25, 0], [220, end, 0]]
+    res = {"centroid": [{"seed": s, "sft": {"best_val_loss": 1.0, "val_curve": fast}} for s in range(3)],
+           "random": [{"seed": s, "sft": {"best_val_loss": end, "val_curve": slow(end)}}
+                      for s, end in enumerate((2.8, 3.0, 3.2))]}                    # the loss: their mean best 3.0
+    d = study.convergence(res, "centroid", "random")[2]
+    assert [p[1:] for p in d] == [("", pytest.approx(176 + 0.25 / 0.45 * 44)), ("", 220.0), ("b", 220.0)]
+    assert d[2][0] == 220 - 44.0                                                  # seed 2: random >= its 220 steps
+    ours, v = study.claim_row(res, {}, "steps", "centroid", "random", None)
+    assert v == "reproduced" and "0 of centroid, 1 of random" in ours             # a saving of at least 176 kept
+    assert study.claim_row(res, {}, "steps", "random", "centroid", None)[1] == "not reproduced"  # at most -176: holds
+    # centroid never got there in one pair: its saving is at most -2 (could be anything lower): never reproduced
+    assert study.censored_verdict([(100, ""), (102, ""), (104, ""), (98, ""), (-2, "a")])[3].startswith("inconclusive")
+    assert study.censored_verdict([(100, ""), (102, ""), (104, ""), (98, "")])[3] == "reproduced"
+    # random never got there in one pair: its saving is at least +3: never "not reproduced"
+    neg = [(-100, ""), (-102, ""), (-98, ""), (-101, ""), (-99, "")]
+    assert study.censored_verdict(neg)[3] == "not reproduced"
+    assert study.censored_verdict(neg + [(3, "b")])[3].startswith("inconclusive")
+    never = {v: [{"seed": 0, "sft": {"best_val_loss": 1.0, "val_curve": slow(3.0)}}] for v in ("centroid", "random")}
+    ours, v = study.claim_row(never, {}, "steps", "centroid", "random", None)   # neither gets to 1.0: no information
+    assert v == "inconclusive" and "no seed pair in which either reaches" in ours and "0/1 seeds of centroid" in ours
     assert study.claim_row({"centroid": [], "random": []}, {}, "steps", "centroid", "random", None)[1] == "not run yet"
 
 
@@ -61,6 +95,18 @@ def topk_hitting(hit_users, rank=0):
     top = np.tile(np.arange(10_000, 10_020), (U, 1))
     top[list(hit_users), rank] = np.array(list(hit_users))
     return top
+
+
+def disp(g):
+    """07's displacement entry for g["moved"] (rms / spread; inf: the init rows had no spread), g["pc1"] (|rho| of
+    token frequency with PC1 of dE) and g["q95"] (its permutation null); {} without "moved" (an old record)."""
+    if "moved" not in g:
+        return {}
+    r = g["moved"]
+    lv = {"rms": 1.0, "spread": 1.0 / r if r else 1.0, "ratio": None if r == np.inf else r, "moved": r > 0,
+          "pc1_freq_abs_spearman": g.get("pc1", 0.1), "pc1_freq_spearman": g.get("pc1", 0.1),
+          "perm_q95": g.get("q95", 0.15), "perm_p": 0.01}
+    return {"displacement": {"levels": {"all": lv}}}
 
 
 def fake_run(a, v, seed, hits, curve, geometry):
@@ -75,17 +121,17 @@ def fake_run(a, v, seed, hits, curve, geometry):
     for st, g in geometry.items():
         lv = {"effective_rank": g.get("erank", 5.0), "pop_spearman_abs": g.get("pop", 0.1),
               "rsa_codebook": g.get("rsa", 0.2), "pop_probe_r2": 0.1, "mean_cos": 0.0, "rsa_centroids": 0.1}
-        json.dump({"models": {v: {"levels": {"all": lv}, "purity": g.get("purity", 0.2)}}},
+        json.dump({"models": {v: {"levels": {"all": lv}, "purity": g.get("purity", 0.2), **disp(g)}}},
                   open(os.path.join(run_dir, f"diag_{st}.json"), "w"))
 
 
 def fake_chain(a, init, seed, per_epoch):
-    """A CPT chain's 07 files: per epoch (purity, popularity |rho|)."""
+    """A CPT chain's 07 files: per epoch (purity, popularity |rho|[, displacement as in disp()])."""
     root = study.cpt_dir(a, init, seed)
     os.makedirs(root, exist_ok=True)
-    for e, (purity, pop) in per_epoch.items():
+    for e, (purity, pop, *g) in per_epoch.items():
         lv = {**{k: 0.5 for k, _ in study.GEOMETRY}, "pop_spearman_abs": pop}
-        json.dump({"models": {init: {"levels": {"all": lv}, "purity": purity}}},
+        json.dump({"models": {init: {"levels": {"all": lv}, "purity": purity, **disp(g[0] if g else {})}}},
                   open(os.path.join(root, f"diag_cpt{e}.json"), "w"))
 
 
@@ -97,18 +143,20 @@ FAST = [[0, 5.0], [44, 3.0], [88, 2.0], [132, 1.9], [176, 1.85], [220, 1.8]]
 def constructed(tmp_path):
     a = study.parse_args(["--work-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "res"),
                           "--dataset", "toy"])
-    for s in range(3):
-        fake_run(a, "random", s, range(80 + 20 * s), RANDOM,                       # R@5 .20/.25/.30 over seeds
-                 {"init": {"pop": 0.05, "purity": 0.3}, "sft": {"pop": 0.6, "purity": 0.3}})
-        fake_run(a, "centroid", s, range(200), FAST, {"sft": {"purity": 0.2}})    # +0.25: reproduced
+    for s in range(3):                            # random's SFT moved its rows (0.8 of their spread), along PC1 of
+        fake_run(a, "random", s, range(80 + 20 * s), RANDOM,   # dE |rho| .5/.6/.7 (null .15); R@5 .20/.25/.30
+                 {"init": {"pop": 0.05, "purity": 0.3}, "sft": {"pop": 0.6, "purity": 0.3, "moved": 0.8,
+                                                                "pc1": 0.5 + 0.1 * s}})
+        fake_run(a, "centroid", s, range(200), FAST, {"sft": {"purity": 0.2, "moved": 0.2}})   # R@5 +0.25; barely moved
         fake_run(a, "shuffled", s, range(300), FAST, {})                          # centroid - shuffled < 0
-        fake_run(a, "mean+gti", s, range(100, 200), RANDOM, {"sft": {"erank": 10.0, "rsa": 0.3}})
-    fake_run(a, "mean", 0, range(100), RANDOM, {"sft": {"erank": 2.0, "rsa": 0.25}})   # one seed only
+        fake_run(a, "mean+gti", s, range(100, 200), RANDOM, {"sft": {"erank": 10.0, "rsa": 0.3, "moved": 0.6}})
+    fake_run(a, "mean", 0, range(100), RANDOM, {"sft": {"erank": 2.0, "rsa": 0.25, "moved": np.inf}})  # one seed
     for s in range(3):                            # CPT: centroid + 1 epoch = random + 8 > random + 2
         fake_run(a, "centroid+cpt1", s, range(200), RANDOM, {})
         fake_run(a, "random+cpt2", s, range(100), RANDOM, {})
         fake_run(a, "random+cpt8", s, range(200), RANDOM, {})
-        fake_chain(a, "random", s, {0: (0.3, 0.05), 1: (0.3, 0.1), 8: (0.32 + 0.01 * s, 0.4)})
+        fake_chain(a, "random", s, {0: (0.3, 0.05), 1: (0.3, 0.1),
+                                    8: (0.32 + 0.01 * s, 0.4, {"moved": 0.7 + 0.1 * s, "pc1": 0.4})})
         fake_chain(a, "centroid", s, {0: (0.5, 0.1), 1: (0.5, 0.1)})
     for s, hits in enumerate((300, 40, 160)):     # rqk-centroid - rqk-random: +.55, -.15, +.10 over the seeds
         fake_run(a, "rqk-random", s, range(80 + 20 * s), RANDOM, {})
@@ -168,33 +216,103 @@ def test_report_on_constructed_runs(constructed):
     assert verdict["centroid vs random: cold targets (seen <= 25 times), Recall@10"] == "reproduced"
     assert verdict["centroid vs random: SFT steps to the same validation loss"] == "reproduced"
     assert claims["centroid vs random: SFT steps to the same validation loss"][2].startswith("+132.0 [+132.0, +132.0]")
-    assert verdict["GTI: mean init collapses the SID rows, low-rank after SFT"] == "reproduced"   # 1 - 2/10 >= .5
-    assert verdict["random init drifts to a popularity axis (Thm 3.1)"] == "reproduced"            # .55 >= .2
-    assert verdict["GTI keeps the codebook geometry after SFT (RSA, block structure)"] == "inconclusive"  # .05
-    assert verdict["centroid init keeps item semantics after SFT (purity)"] == "not reproduced"  # -.1
+    collapse = claims["GTI: mean init collapses the SID rows, low-rank after SFT"]          # 1 - 2/10 >= .5 on the
+    assert collapse[3] == "reproduced (provisional, 1 seed)"                                 # one common seed
+    assert "moved (rms/spread of the init's rows): mean (sft) inf, mean+gti (sft) 0.60" in collapse[2]
+    axis = claims["random init drifts to a popularity axis (Thm 3.1)"]            # |rho| .6 [.35, .85] >= .2, > .15
+    assert axis[3] == "reproduced" and axis[2].startswith("abs(Spearman) of token frequency with PC1 of dE (random")
+    assert "+0.600 [+0.352, +0.848] over seeds 0,1,2 (threshold 0.2" in axis[2]
+    assert verdict["GTI keeps the codebook geometry after SFT (RSA, block structure)"] == \
+        "inconclusive (provisional, 1 seed)"                                                 # .05 < .1
+    # centroid's rows moved 0.2 of their spread: purity after SFT is still its init's, whatever it reads
+    assert verdict["centroid init keeps item semantics after SFT (purity)"] == \
+        "not testable at this budget (rms/spread 0.20 < 0.5)"
+    assert "effect a - b = -0.100 [-0.100, -0.100]" in claims["centroid init keeps item semantics after SFT (purity)"][2]
     assert claims["GTI vs LC-Rec aux tasks: Recall@10"][2:4] == ["not run", "not run yet"]
     cpt = claims["centroid + 1-4 CPT epochs ~ random + 6-10 CPT epochs: Recall@5"]
     assert cpt[2].startswith("centroid+cpt1 - random+cpt2: +0.2500 [")
     assert "centroid+cpt1 - random+cpt8: +0.0000" in cpt[2]
     assert cpt[3] == "reproduced" and "--variants centroid+cpt1,random+cpt2,random+cpt8`" in cpt[4]
-    sem = claims["CPT does not recover semantics from random init (purity)"]   # .5 - mean(.32, .33, .34) >= .05
+    sem = claims["CPT does not recover semantics from random init (purity)"]   # .5 - (.32, .33, .34) >= .05
     assert sem[3] == "reproduced" and "--cpt-only" in sem[4]
     assert "random after 8 CPT epochs 0.330 (mean over seeds 0,1,2)" in sem[2]
-    assert "effect a - b = +0.350" in claims["random rows organize by popularity during CPT"][2]  # .4 - .05
+    assert "random after 8 CPT epochs 0.80 (low end 0.55)" in sem[2]                 # moved .7/.8/.9: >= .5
+    assert "+0.400 [+0.400, +0.400] over seeds 0,1,2" in claims["random rows organize by popularity during CPT"][2]
     assert verdict["random rows organize by popularity during CPT"] == "reproduced"
     after = {(r[0], r[1]): r for r in table(md, "Geometry after CPT")}
-    assert after[("random", "8")][2] == "3 (0,1,2)" and after[("random", "8")][-1] == "0.330 +- 0.010"
+    assert after[("random", "8")][2] == "3 (0,1,2)" and after[("random", "8")][-2:] == ["0.330 +- 0.010", "0.80 +- 0.10"]
+    geometry = {(r[0], r[1]): r for r in table(md, "Geometry of the SID rows")}
+    assert geometry[("mean", "sft")][-1] == "inf" and geometry[("random", "init")][-1] == "-"   # the movement column
+    assert geometry[("random", "sft")][-1] == "0.80 +- 0.00"
     assert ("centroid", "0") in after and ("centroid", "8") not in after
     assert "--variants centroid,random" in claims["centroid vs random: Recall@5"][4]
     assert "--variants random`" in claims["random init drifts to a popularity axis (Thm 3.1)"][4]
     assert os.path.exists(os.path.join(a.results_dir, "toy_val_loss.png"))
 
 
+def test_geometry_needs_rows_that_moved_and_the_axis_its_null():
+    """A geometry claim about training gets a verdict only where the trained rows moved >= MOVED of their spread
+    (judged on the seeds' interval); Theorem 3.1's axis (PC1 of dE against token frequency) must beat its permutation
+    null in every seed; records without the displacement are not testable."""
+    def res(*gs):
+        return {"random": [{"seed": s, "diag": {"sft": {"levels": {"all": {}}, "purity": 0.2, **disp(g)}}}
+                           for s, g in enumerate(gs)]}
+    axis = lambda *gs: study.claim_row(res(*gs), {}, "axis", "random", "random", ("sft", 0.2))  # noqa: E731
+    assert axis({"moved": 0.8, "pc1": 0.5})[1] == "reproduced (provisional, 1 seed)"
+    ours, v = axis(*({"moved": 0.8, "pc1": r, "q95": q} for r, q in ((0.30, 0.2), (0.35, 0.5), (0.40, 0.2))))
+    assert v == "inconclusive (a seed within its permutation null)" and "+0.350 [+0.226, +0.474]" in ours
+    assert axis(*({"moved": 0.8, "pc1": r} for r in (0.10, 0.11, 0.12)))[1] == "not reproduced"   # <= q95 .15
+    # moved .9/.6/.3 of the spread: the seeds' interval reaches below MOVED, though the mean .6 is above it
+    assert axis(*({"moved": m, "pc1": 0.9} for m in (0.9, 0.6, 0.3)))[1] == \
+        "not testable at this budget (rms/spread -0.15 < 0.5)"
+    assert axis({"moved": 0.0})[1].startswith("not testable at this budget (rms/spread 0.00")      # dE ~0
+    assert axis({}, {"moved": 0.8})[1] == "not testable: movement not measured"                    # an old record
+    assert study.moved(disp({"moved": np.inf})) == np.inf and study.moved({}) is None
+
+
+def test_cpt_equivalence_needs_a_margin(tmp_path):
+    """centroid + 1 CPT epoch ~ random + 8: both intervals inside +-EQUIV_MARGIN of random + 8's Recall@5; a wide
+    interval that merely covers 0 (the same mean on other users) is inconclusive, not equivalence."""
+    a = study.parse_args(["--work-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "res"),
+                          "--dataset", "toy"])
+    for s in range(3):
+        fake_run(a, "centroid+cpt1", s, range(200), RANDOM, {})
+        fake_run(a, "random+cpt2", s, range(100), RANDOM, {})
+        fake_run(a, "random+cpt8", s, range(100, 300), RANDOM, {})          # R@5 0.5 as centroid + 1, other users
+    res = study.collect(a, ["centroid+cpt1", "random+cpt2", "random+cpt8"])
+    pu = {v: study.per_user(r, np.arange(U), np.zeros(U, bool)) for v, r in res.items()}
+    ours, v = study.claim_row(res, pu, "cpt", "centroid+cpt1", "random+cpt2", "random+cpt8")
+    assert "centroid+cpt1 - random+cpt8: +0.0000 [-0.0" in ours and "margin +-0.0325 (6.5% of" in ours
+    assert v == "inconclusive (centroid+cpt1 vs random+cpt2: reproduced; vs random+cpt8: inconclusive)"
+    assert study.equivalence([[0.0, -0.01, 0.01], [0.0, -0.02, 0.02]], 0.03) == "equivalent"
+    assert study.equivalence([[0.0, -0.01, 0.01], [0.0, -0.04, 0.04]], 0.03) == "inconclusive"   # seeds too wide
+    assert study.equivalence([[-0.1, -0.15, -0.05], [-0.1, -0.2, -0.04]], 0.03) == "different"
+    assert study.equivalence([[0.0, -0.01, 0.01], [None, None, None]], 0.03) == "equivalent"   # one seed pair
+
+
+def test_07_reads_the_displacement_from_where_training_started(tmp_path):
+    """07 after SFT gets --inits the folder 05 started from (03's, 04's +gti, the chain's +cpt); a CPT chain's 07
+    after epoch e > 0 gets its 03 folder; 07 at init and after grounding none."""
+    a = study.parse_args(["--work-dir", str(tmp_path)])
+    inits = lambda steps: {s.name: s.args[s.args.index("--inits") + 1] if "--inits" in s.args else None  # noqa: E731
+                           for s in steps if s.name.startswith("07")}
+    for v, start in (("random", study.run_dir(a, "random", 0) + "/models/random"),
+                     ("mean+gti", study.run_dir(a, "mean+gti", 0) + "/models/mean+gti"),
+                     ("random+cpt2", study.cpt_dir(a, "random", 0) + "/models/random+cpt2")):
+        steps = study.plan(a, v, 0)
+        sft = next(s for s in steps if s.name == "05")
+        assert inits(steps) == {**{k: None for k in ("07_init", "07_ground") if k in inits(steps)}, "07_sft": start}
+        assert sft.args[sft.args.index("--model") + 1] == os.path.normpath(start)
+    chain = study.cpt_dir(a, "random", 0) + "/models/random"
+    assert inits(study.plan_cpt(a, "random", 0)) == {"07_cpt0": None, **{f"07_cpt{e}": os.path.normpath(chain)
+                                                                          for e in study.CPT_EPOCHS["random"]}}
+
+
 def test_cpt_only_report(tmp_path):
     """A --cpt-only piece (chains, no SFT run) reports the CPT geometry claims and leaves the others out."""
     a = study.parse_args(["--work-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "res"),
                           "--dataset", "toy", "--variants", "random+cpt8,centroid+cpt1", "--cpt-only"])
-    fake_chain(a, "random", 0, {0: (0.3, 0.05), 1: (0.3, 0.1), 8: (0.31, 0.12)})
+    fake_chain(a, "random", 0, {0: (0.3, 0.05), 1: (0.3, 0.1), 8: (0.31, 0.12, {"moved": 0.3, "pc1": 0.9})})
     fake_chain(a, "centroid", 0, {0: (0.5, 0.1)})
     # seed 1's chains stopped before epoch 8: the claims compare over seed 0 only, not 8 epochs of seed 0
     # against the mean of two seeds' epoch 0 (that would read 0.12 - 0.55 here)
@@ -204,11 +322,13 @@ def test_cpt_only_report(tmp_path):
     assert not any(res.values())
     md = open(study.report(a, res, np.arange(U), np.full(U, 100), "python scripts/study.py --dataset toy")).read()
     claims = {r[0]: r for r in table(md, "The papers' claims")}
-    assert set(claims) == {c[0] for c in study.CLAIMS if c[2] in ("cpt", "cpt_geometry")}
-    assert claims["CPT does not recover semantics from random init (purity)"][3] == "reproduced"   # .5 - .31
-    assert claims["random rows organize by popularity during CPT"][3] == "inconclusive"           # .12 - .05 < .2
-    assert "effect a - b = +0.070" in claims["random rows organize by popularity during CPT"][2]
+    assert set(claims) == {c[0] for c in study.CLAIMS if c[2] in ("cpt", "cpt_geometry", "cpt_axis")}
+    # 8 CPT epochs moved random's rows 0.3 of their spread: neither claim could have failed (nor held)
+    for c in ("CPT does not recover semantics from random init (purity)", "random rows organize by popularity during CPT"):
+        assert claims[c][3] == "not testable at this budget (rms/spread 0.30 < 0.5)", c
+    assert "effect a - b = +0.190 (threshold 0.05)" in claims["CPT does not recover semantics from random init (purity)"][2]
     assert "(mean over seed 0)" in claims["CPT does not recover semantics from random init (purity)"][2]
+    assert "+0.900 over seed 0 (threshold 0.2" in claims["random rows organize by popularity during CPT"][2]
     assert claims["centroid + 1-4 CPT epochs ~ random + 6-10 CPT epochs: Recall@5"][3] == "not run yet"
     assert f"Left out: {len(study.CLAIMS) - 3} claims" in md and "Provisional: 1 seed(s)" in md
     assert "Test metrics per variant" not in md and "Paired differences" not in md
