@@ -21,6 +21,8 @@ Pieces (one seed of all 11 variants ~2.2 h on 2 CPU cores; a killed piece resume
     python scripts/study.py --seeds 0        (then --seeds 1, --seeds 2; `make study SEEDS=0`)
     python scripts/study.py --report-only    (tables + figures from the finished runs)
     python scripts/study.py --seeds 0,1,2 --dry-run     (the plan and its estimated CPU time)
+    python scripts/study.py --seeds 0,1,2 --variants centroid-plain,shuffled-plain   (Algorithm 1 exactly, ~1.3 h)
+    python scripts/study.py --seeds 0 --variants mean-full,mean+gti-full    (the papers' vocabulary softmax, ~0.5 h)
 CPT variants (<init>+cpt<E>: E epochs of 04 --train all, then 05, 07, 06 as above) start from a chain per init and seed,
 runs/study/<dataset>/_cpt/<init>/seed<s>: 03, one 04 --train all run (it saves a folder after every epoch; the chain keeps
 CPT_EPOCHS[init]'s; constant lr after the warmup, so epoch E's folder does not depend on the run's length), and 07 on them:
@@ -76,11 +78,13 @@ VARIANTS = {  #                tokenizer   init        scale      gti    aux (LC
     "random+cpt8":   Variant("rqvae",   "random",   "",        False, False, 8),
     "centroid+cpt1": Variant("rqvae",   "centroid", "level",   False, False, 1),
     "centroid+cpt2": Variant("rqvae",   "centroid", "level",   False, False, 2),
+    "centroid-plain": Variant("rqvae",  "centroid", "plain",   False, False),   # Algorithm 1 exactly (03 --centroid-
+    "shuffled-plain": Variant("rqvae",  "shuffled", "plain",   False, False),   # scale plain) and its shuffled twin
     "mean-full":     Variant("rqvae",   "mean",     "",        False, False, 0, "full"),   # the papers' loss
     "mean+gti-full": Variant("rqvae",   "mean",     "",        True,  False, 0, "full"),   # (05 --softmax full)
 }
 CPT_EPOCHS = {"random": (1, 2, 4, 8), "centroid": (1, 2, 4)}   # the folders a chain saves (and 07 measures)
-DEFAULT_VARIANTS = [v for v, d in VARIANTS.items() if not d.cpt and d.softmax == "level"]
+DEFAULT_VARIANTS = [v for v, d in VARIANTS.items() if not d.cpt and d.softmax == "level" and d.scale != "plain"]
 TOKENIZER_02 = {"rqvae": [], "rqkmeans": ["--quantizer", "rqkmeans", "--collisions", "reassign"]}
 GROUND_STEPS, EVAL_EVERY, COLD_MAX = 120, 44, 25   # 04 as `make run`; 05 validates 6 times; 109 cold ML-100K users
 # CPU seconds per step on 2 idle cores (README's pipeline table; 05 = 220 x 2.06 s + 6 validations x 20 s)
@@ -700,6 +704,8 @@ CLAIMS = [  # claim, paper's number, kind, a, b, what
     ("GTI keeps the codebook geometry after SFT (RSA, block structure)", "qualitative (RSA, cosine blocks)",
      "geometry", "mean+gti", "mean", ("rsa_codebook", "sft", "sft", "difference", 0.1)),
     ("centroid vs random: Recall@5", "+6.5% on average (up to +16%)", "paired", "centroid", "random", "recall@5"),
+    ("centroid (Algorithm 1: plain mean shift) vs random: Recall@5", "+6.5% on average (up to +16%)", "paired",
+     "centroid-plain", "random", "recall@5"),
     ("centroid vs random: Recall@5, RQ-KMeans SIDs (the paper's tokenizer)", "+6.5% on average (up to +16%)",
      "paired", "rqk-centroid", "rqk-random", "recall@5"),
     (f"centroid vs random: cold targets (seen <= {COLD_MAX} times), Recall@10", "+37% on average (up to +60%)",

@@ -22,7 +22,9 @@ def test_variants_table():
     assert len(study.DEFAULT_VARIANTS) == 11 and {
         "random", "mean", "centroid", "shuffled", "mean+gti", "centroid+gti", "random+gti", "mean+aux", "rqk-random",
         "rqk-centroid", "rqk-shuffled"} == set(study.DEFAULT_VARIANTS) == {
-            n for n, v in V.items() if not v.cpt and v.softmax == "level"}
+            n for n, v in V.items() if not v.cpt and v.softmax == "level" and v.scale != "plain"}
+    assert {n: (v.init, v.scale) for n, v in V.items() if v.scale == "plain"} == {
+        "centroid-plain": ("centroid", "plain"), "shuffled-plain": ("shuffled", "plain")}   # Algorithm 1, not default
     assert {n: (v.init, v.gti) for n, v in V.items() if v.softmax == "full"} == {
         "mean-full": ("mean", False), "mean+gti-full": ("mean", True)}          # the papers' loss, not by default
     assert {n: v.cpt for n, v in V.items() if v.cpt} == {"random+cpt2": 2, "random+cpt8": 8, "centroid+cpt1": 1,
@@ -30,8 +32,8 @@ def test_variants_table():
     assert all(v.cpt in study.CPT_EPOCHS[v.init] and v.tokenizer == "rqvae" for v in V.values() if v.cpt)
     for name, v in V.items():                    # every plain centroid row has a shuffled twin at the same scale
         if v.init == "centroid" and not v.gti and not v.cpt:
-            twins = [w for w in V.values() if w.init == "shuffled" and w.tokenizer == v.tokenizer]
-            assert twins and all(w.scale == v.scale and not w.gti and not w.aux for w in twins), name
+            twins = [w for w in V.values() if w.init == "shuffled" and w.tokenizer == v.tokenizer and w.scale == v.scale]
+            assert twins and all(not w.gti and not w.aux for w in twins), name
     assert all(bool(v.scale) == (v.init in ("centroid", "shuffled")) for v in V.values())
 
 
@@ -195,7 +197,7 @@ def test_report_on_constructed_runs(constructed):
     assert d == 0.25 and 0 < lo < d < hi                                          # R@5 +0.25 [lo, hi]
 
     claims = {r[0]: r for r in table(md, "The papers' claims")}
-    assert len(claims) == 17                                                      # every claim of docs/papers.md
+    assert len(claims) == 18                                                      # every claim of docs/papers.md
     verdict = {k: r[3] for k, r in claims.items()}
     assert verdict["centroid vs random: Recall@5"] == "reproduced"
     assert "per seed pair +0.2500 [" in claims["centroid vs random: Recall@5"][2]       # .30/.25/.20 agree
