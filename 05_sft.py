@@ -225,7 +225,7 @@ def main():
     if not (rec := build_examples(train, args.objective, args.max_history)):
         die(f"{out_dir}/dataset.pt has no training positions (train parts shorter than 2 items)")
     rec_tok = target_tokens(rows, rec)                                  # aux: --aux-tokens x as many (expected)
-    aux = aux_examples(rows, len(item_tok), args.aux_tokens * rec_tok if args.aux_tasks else 0.0, args.seed)
+    aux = aux_examples(rows, len(item_tok), args.aux_tokens * rec_tok, args.seed) if args.aux_tasks else []
     examples, aux_tok = rec + aux, target_tokens(rows, aux)
     users = [u for u in range(len(train)) if len(train[u]) > 0]         # a validation row needs a history
     pick = torch.randperm(len(users), generator=torch.Generator().manual_seed(args.seed))[:args.val_examples or None]

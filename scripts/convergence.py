@@ -55,8 +55,8 @@ import torch
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
 from common import atomic_write  # noqa: E402
-from study import (BACKBONE, REPO, censored_verdict, ev, fmt_iv, link_artifacts, sha, sid_rows,  # noqa: E402
-                   t_interval, verdict)  # (ev = 06's metrics)
+from study import (BACKBONE, REPO, beats_popular, censored_verdict, ev, fmt_iv, joint_verdict,  # noqa: E402
+                   link_artifacts, paired_ivs, sha, sid_rows)  # (ev = 06's metrics)
 OUT = "out/ml-100k"
 TOKENIZER = "results/convergence/tokenizer"  # 02's outputs every run trains on, committed
 TOKENIZER_FILES = ("sids.npy", "centroids.pt", "rqvae.pt", "02_rqvae.json")
@@ -347,10 +347,9 @@ GTI_CLAIMS = [
 
 
 def baseline_trains(b_users, pop_users):
-    """Whether a baseline trained: its per-user test Recall@10 (mean over its seeds) beats most-popular's, the
-    paired bootstrap interval over users above 0. -> (bool, text)."""
-    d = ev.paired_bootstrap(b_users, pop_users)
-    return d[1] > 0, f"{b_users.mean():.4f} (most-popular {pop_users.mean():.4f}, {fmt_iv(d)})"
+    """study.py's baseline rule (beats_popular) on a baseline's per-user test Recall@10. -> (bool, text)."""
+    ok, d = beats_popular(b_users, pop_users)
+    return ok, f"{b_users.mean():.4f} (most-popular {pop_users.mean():.4f}, {fmt_iv(d)})"
 
 
 def gti_claim(per_seed, pop_users, a, b, metric, judged):
@@ -365,19 +364,17 @@ def gti_claim(per_seed, pop_users, a, b, metric, judged):
     common = sorted(set(per_seed[a]) & set(per_seed[b]))
     if not common:
         return "no common seed", b_text, "not run yet"
-    x, y = (np.mean([per_seed[k][s][metric] for s in common], 0) for k in (a, b))
-    d = ev.paired_bootstrap(x, y)
+    pu = {k: {"users_by_seed": {s: {"all": m} for s, m in per_seed[k].items()}} for k in (a, b)}   # study's form
+    d, iv, sd, _, y, _ = paired_ivs(pu, a, b, "all", metric)                   # pooled over the common seeds
     rel = f" ({100 * d[0] / y.mean():+.1f}%)" if y.mean() > 0 else ""
-    sd = [float(per_seed[a][s][metric].mean() - per_seed[b][s][metric].mean()) for s in common]
-    iv = t_interval(sd)
     ours = f"{fmt_iv(d)}{rel}, seeds {','.join(map(str, common))}" + (f"; per seed pair {fmt_iv(iv)}"
                                                                        if len(sd) > 1 else "")
     if not judged:
         return ours, b_text, "shown beside"
     if not trained:
         return ours, b_text, "not testable: the baseline did not train"
-    users, seeds = verdict(d[1], d[2]), verdict(iv[1], iv[2])
-    return ours, b_text, users if len(sd) < 2 or users == seeds else "inconclusive (inside the seed spread)"
+    v, overruled = joint_verdict(d, iv, len(sd))
+    return ours, b_text, v + (" (inside the seed spread)" if overruled else "")
 
 
 def reach_other(ra, rb):

@@ -74,7 +74,7 @@ def diagnostics_figures(path):
     nc = min(4, len(raw))
     nr = (len(raw) + nc - 1) // nc                                     # rows of panels
     figs = [save(fig, f"{stem}_spectra.png"), plot_cosine(f"{stem}_cosine.png", raw, nr, nc),
-            plot_popularity(f"{stem}_popularity.png", results, raw, names, nr, nc)]
+            plot_popularity(f"{stem}_popularity.png", results, raw, names, nc)]
     if any("dproj" in r for r in raw.values()):
         figs.append(plot_displacement(f"{stem}_displacement.png", results, raw, names))
     print(f"wrote {', '.join(figs)}")
@@ -106,46 +106,46 @@ def plot_cosine(path, raw, nr, nc):
     return save(fig, path)
 
 
-def plot_popularity(path, results, raw, names, nr, nc):
+def level_scatter(path, models, names, level, x, y, title, xlabel, ylabel, nc, log_x=False):
+    """One panel per model: x(m) against y(m), one colour per SID level, the title title(m); unused panels off."""
+    nr = (len(models) + nc - 1) // nc
     fig, axes = plt.subplots(nr, nc, figsize=(3.2 * nc, 3 * nr), squeeze=False)
-    for ax, m in zip(axes.flat, raw):                                  # popularity scatter
-        r, fr = raw[m], np.log1p(raw[m]["freq"])
-        sign = -1.0 if np.dot(fr - fr.mean(), r["proj"]) < 0 else 1.0   # PC1's sign is arbitrary
-        for l in np.unique(r["level"]):
-            k = r["level"] == l
-            ax.scatter(fr[k], sign * r["proj"][k], s=4, label=names[l])
-        rho = results[m]["levels"]["all"]["pop_spearman_abs"]
-        ax.set_title(f"{m}: |rho| {rho if rho is None else round(rho, 2)}", fontsize=8)
-        ax.set_xlabel("log(1 + token freq)", fontsize=7)
-        ax.set_ylabel("projection on PC1", fontsize=7)
-    for ax in list(axes.flat)[len(raw):]:
+    for ax, m in zip(axes.flat, models):
+        for l in np.unique(level(m)):
+            k = level(m) == l
+            ax.scatter(x(m)[k], y(m)[k], s=4, label=names[l])
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_title(title(m), fontsize=8)
+        ax.set_xlabel(xlabel, fontsize=7)
+        ax.set_ylabel(ylabel, fontsize=7)
+    for ax in list(axes.flat)[len(models):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=6, markerscale=2)
     return save(fig, path)
+
+
+def plot_popularity(path, results, raw, names, nc):
+    """log(1 + token freq) against the rows' coordinate on their PC1 (PC1's sign is arbitrary: rho >= 0 shown)."""
+    fr = {m: np.log1p(raw[m]["freq"]) for m in raw}
+    sign = {m: -1.0 if np.dot(fr[m] - fr[m].mean(), raw[m]["proj"]) < 0 else 1.0 for m in raw}
+    rho = lambda m: results[m]["levels"]["all"]["pop_spearman_abs"]  # noqa: E731
+    return level_scatter(path, list(raw), names, lambda m: raw[m]["level"], fr.get, lambda m: sign[m] * raw[m]["proj"],
+                         lambda m: f"{m}: |rho| {rho(m) if rho(m) is None else round(rho(m), 2)}",
+                         "log(1 + token freq)", "projection on PC1", nc)
 
 
 def plot_displacement(path, results, raw, names):
     """Per model with an init: 1 + token freq (log) against the coordinate on PC1 of dE (sign: rho >= 0)."""
     ms = [m for m in raw if "dproj" in raw[m]]
-    nc = min(4, len(ms))
-    nr = (len(ms) + nc - 1) // nc
-    fig, axes = plt.subplots(nr, nc, figsize=(3.2 * nc, 3 * nr), squeeze=False)
-    f2 = lambda v: "n/a" if v is None else f"{v:.2f}"
-    for ax, m in zip(axes.flat, ms):
-        r, dv = raw[m], results[m]["displacement"]["levels"]["all"]
-        sign = -1.0 if (dv["pc1_freq_spearman"] or 0) < 0 else 1.0
-        for l in np.unique(r["level"]):
-            k = r["level"] == l
-            ax.scatter(1 + r["freq"][k], sign * r["dproj"][k], s=4, label=names[l])
-        ax.set_xscale("log")
-        ax.set_title(f"{m}: |rho| {f2(dv['pc1_freq_abs_spearman'])}, rms/spread {f2(dv['ratio'])}"
-                     + ("" if dv["moved"] else " (not moved)"), fontsize=8)
-        ax.set_xlabel("1 + token freq", fontsize=7)
-        ax.set_ylabel("coordinate on PC1 of dE", fontsize=7)
-    for ax in list(axes.flat)[len(ms):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=6, markerscale=2)
-    return save(fig, path)
+    dv = {m: results[m]["displacement"]["levels"]["all"] for m in ms}
+    f2 = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+    sign = {m: -1.0 if (dv[m]["pc1_freq_spearman"] or 0) < 0 else 1.0 for m in ms}
+    return level_scatter(path, ms, names, lambda m: raw[m]["level"], lambda m: 1 + raw[m]["freq"],
+                         lambda m: sign[m] * raw[m]["dproj"],
+                         lambda m: f"{m}: |rho| {f2(dv[m]['pc1_freq_abs_spearman'])}, rms/spread {f2(dv[m]['ratio'])}"
+                         + ("" if dv[m]["moved"] else " (not moved)"),
+                         "1 + token freq", "coordinate on PC1 of dE", min(4, len(ms)), log_x=True)
 
 
 def save(fig, path):

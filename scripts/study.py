@@ -52,7 +52,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKBONE = "models/SmolLM2-135M-Instruct"
 sys.path.insert(0, REPO)
-from common import load_step  # noqa: E402
+from common import atomic_write, load_step  # noqa: E402
 
 ev = load_step("06_eval")                         # 06's per_user_metrics and paired_bootstrap
 
@@ -323,12 +323,6 @@ def records_dir(a):
     return os.path.join(a.results_dir, "runs", a.dataset)
 
 
-def save_atomic(path, write):
-    with open(path + ".tmp", "wb") as f:
-        write(f)
-    os.replace(path + ".tmp", path)
-
-
 def write_record(a, variant, seed):
     """A finished run's record in <results-dir>/runs/<dataset>/ (committed): <variant>-s<seed>.json (06's test json,
     05's curves, 07 per stage, the step times, sha256 of the SIDs it trained on), _test_topk.npy (each user's ranked
@@ -348,16 +342,16 @@ def write_record(a, variant, seed):
     for src, dst in (("eval_test_topk.npy", "_test_topk.npy"), ("eval_test_exact_topk.npy", "_test_exact_topk.npy")):
         if os.path.exists(os.path.join(final, src)):
             topk = np.load(os.path.join(final, src), allow_pickle=False).astype(np.int32)
-            save_atomic(os.path.join(rd, name + dst), lambda f, t=topk: np.save(f, t))
+            atomic_write(os.path.join(rd, name + dst), lambda p, t=topk: np.save(open(p, "wb"), t))
     models = {s.name[3:]: s.args[s.args.index("--models") + 1] for s in plan(a, variant, seed) if s.name[:3] == "07_"}
     rows = {st: sid_rows(m) for st, m in models.items()
             if any(f.endswith(".safetensors") for f in (os.listdir(m) if os.path.isdir(m) else []))}
     if rows:                                                            # ~0.2 MB a stage (194 rows x 576, fp16)
         arrays = {f"{st}_{part}": x for st, (r, _) in rows.items() for part, x in r.items()}
-        save_atomic(os.path.join(rd, name + "_rows.npz"), lambda f: np.savez_compressed(
-            f, token_ids=next(iter(rows.values()))[1], **arrays))
+        atomic_write(os.path.join(rd, name + "_rows.npz"), lambda p: np.savez_compressed(
+            open(p, "wb"), token_ids=next(iter(rows.values()))[1], **arrays))
         rec["rows"] = name + "_rows.npz"
-    save_atomic(os.path.join(rd, name + ".json"), lambda f: f.write((json.dumps(rec, indent=1) + "\n").encode()))
+    atomic_write(os.path.join(rd, name + ".json"), lambda p: open(p, "w").write(json.dumps(rec, indent=1) + "\n"))
 
 
 def run_one(a, variant, seed):
@@ -484,9 +478,9 @@ def collect_cpt(a):
             diags = {e: (load_json(os.path.join(root, sd, f"diag_cpt{e}.json")) or {}).get("models", {}).get(init)
                      for e in (0, *eps)}
             os.makedirs(rd, exist_ok=True)
-            save_atomic(os.path.join(rd, f"{init}-s{sd[4:]}.json"), lambda f: f.write(json.dumps(
+            atomic_write(os.path.join(rd, f"{init}-s{sd[4:]}.json"), lambda p: open(p, "w").write(json.dumps(
                 {"init": init, "seed": int(sd[4:]), "diags": {e: d for e, d in diags.items() if d}, "times": t},
-                indent=1).encode()))
+                indent=1)))
     out, times = {}, {}
     names = [re.fullmatch(r"(.+)-s(\d+)\.json", f) for f in (os.listdir(rd) if os.path.isdir(rd) else [])]
     order = {init: i for i, init in enumerate(CPT_EPOCHS)}                 # random's chains first, as in the table
@@ -729,14 +723,28 @@ CLAIMS = [  # claim, paper's number, kind, a, b, what
 ]
 
 
+def beats_popular(b_users, pop_users):
+    """The baseline rule: a baseline trained when its per-user test Recall@10 beats most-popular's (06's paired
+    bootstrap over users, lower end above 0). -> (bool, [d, lo, hi])."""
+    d = boot(b_users, pop_users)
+    return d[1] is not None and d[1] > 0, d
+
+
 def trains(pu, b_, pop_users):
-    """Whether baseline b_ trained: its per-user test Recall@10 (mean over its seeds) beats most-popular's, the
-    paired bootstrap interval over users above 0. -> (bool, text)."""
+    """beats_popular for variant b_ (its per-user Recall@10, mean over its seeds). -> (bool, text)."""
     if pop_users is None:
         return True, ""
-    d = boot(pu[b_]["all"]["recall@10"], pop_users)
-    return d[1] is not None and d[1] > 0, (f"{b_}'s Recall@10 {pu[b_]['all']['recall@10'].mean():.4f} vs most-popular "
-                                           f"{pop_users.mean():.4f}: {fmt_iv(d)}")
+    ok, d = beats_popular(pu[b_]["all"]["recall@10"], pop_users)
+    mean = pu[b_]["all"]["recall@10"].mean()
+    return ok, f"{b_}'s Recall@10 {mean:.4f} vs most-popular {pop_users.mean():.4f}: {fmt_iv(d)}"
+
+
+def joint_verdict(d, iv, pairs):
+    """Two kinds of noise: which users are tested (bootstrap d) and which training run (t interval iv over seed
+    pairs). A verdict needs both intervals on the same side of 0; with one seed pair only the bootstrap exists.
+    -> (verdict, True when the seed pairs overruled the users)."""
+    users, seeds = verdict(d[1], d[2]), verdict(iv[1], iv[2])
+    return (users, False) if pairs < 2 or users == seeds else ("inconclusive", True)
 
 
 def equivalence(ivs, margin):
@@ -820,13 +828,10 @@ def claim_row(res, pu, kind, a_, b_, what, cpt=None, pop_users=None):
         d, iv, sd, x, y, nc = paired_ivs(pu, a_, b_, part, metric)
         base = float(y.mean()) if d[0] is not None else 0.0
         rel = f" ({100 * d[0] / base:+.1f}%)" if base > 0 else ""
-        users, seeds = verdict(d[1], d[2]), verdict(iv[1], iv[2])
-        # Two kinds of noise: which users are tested (bootstrap) and which training run (seeds). A verdict needs
-        # both intervals on the same side of 0; with one seed pair only the bootstrap exists (flagged provisional).
-        v = users if len(sd) < 2 or users == seeds else "inconclusive"
+        v, overruled = joint_verdict(d, iv, len(sd))
         seed_txt = (f"; per seed pair {fmt_iv(iv)} (t 95%, {len(sd)} pairs: {', '.join(f'{x:+.4f}' for x in sd)})"
                     if len(sd) >= 2 else "")
-        note = " (inside the seed spread)" if v != users else ""
+        note = " (inside the seed spread)" if overruled else ""
         sids = {r.get("sids", "-") for r in res[a_] + res[b_]}
         note += f" (the runs trained on {len(sids)} different SIDs: confounded)" if len(sids) > 1 else ""
         ok, base_txt = trains(pu, b_, pop_users)
