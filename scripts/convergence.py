@@ -40,7 +40,8 @@ Two runs can share 2 cores, each at OMP_NUM_THREADS=1 (about 1.2x the throughput
 Writes results/ml-100k_convergence.md (the table; each run - SASRec and centroid - random at the peak, paired
 bootstrap over users; the efficiency claim read two ways, paired by seed; the GTI claims at the peak, each only
 where its baseline beats most-popular) and results/ml-100k_convergence.png (validation NDCG@10 against epochs,
-SASRec and most-popular as lines; the vocabulary-softmax runs in a second panel).
+SASRec and most-popular as lines; the vocabulary-softmax runs in a second panel). The geometry claims at each run's
+peak, from the _rows.npz records: python scripts/peak_geometry.py.
 """
 import argparse
 import json

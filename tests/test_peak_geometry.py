@@ -1,0 +1,78 @@
+"""scripts/peak_geometry.py: the geometry claims read from convergence records' SID rows. Constructed records: rows
+pushed along token frequency (Thm 3.1's axis) by more than study.MOVED x their spread give "reproduced" over two
+seeds; rows that did not move give "not testable at this budget"; a record on other SIDs is a one-line error."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import load_script, make_synthetic_out
+
+pg = load_script("scripts/peak_geometry.py")
+
+
+def setup(tmp_path, monkeypatch):
+    monkeypatch.setattr(pg, "REPO", str(tmp_path))
+    base = tmp_path / pg.BASE
+    make_synthetic_out(str(base), num_users=60, num_items=80)
+    data = pg.load_data()
+    tok, item_tok, n = pg.row_index(data["sids"], data["centroids"])
+    freq = np.concatenate([np.bincount(data["sids"][:, l], weights=data["pop"], minlength=len(t))[t >= 0]
+                           for l, t in enumerate(tok)])                  # each row's token frequency, row order
+    (tmp_path / pg.RECORDS).mkdir(parents=True)
+    return n, freq
+
+
+def record(tmp_path, name, kind, seed, E0, E1, best=20):
+    np.savez_compressed(tmp_path / pg.RECORDS / f"{name}_rows.npz", steps=np.array([0, 10, best]),
+                        token_ids=np.arange(len(E0)), input=np.stack([E0, (E0 + E1) / 2, E1]).astype(np.float16))
+    (tmp_path / pg.RECORDS / f"{name}.json").write_text(json.dumps(
+        {"run": name, "kind": kind, "seed": seed, "best_step": best, "rows": f"{name}_rows.npz"}))
+
+
+def claim(md, start):
+    return next(x for x in md.splitlines() if x.startswith(f"| {start}"))
+
+
+def test_a_popularity_drift_is_found_and_still_rows_are_not_testable(tmp_path, monkeypatch):
+    n, freq = setup(tmp_path, monkeypatch)
+    g, d = np.random.default_rng(0), 16
+    u = np.linalg.qr(g.standard_normal((d, 1)))[0][:, 0]                   # the axis the rows drift along
+    z = (freq - freq.mean()) / freq.std()
+    for seed in (0, 1):
+        E0 = g.standard_normal((n, d))                                     # random init: spread ~ 4
+        E1 = E0 + 3.0 * np.outer(z, u) + 0.2 * g.standard_normal((n, d))   # rms ~ 3: moved ~ 0.75 x the spread
+        record(tmp_path, f"random-s{seed}", "random", seed, E0, E1)
+    E0 = np.tile(g.standard_normal(d), (n, 1))                             # mean init, never moved
+    record(tmp_path, "mean-full-s0", "mean-full", 0, E0, E0)
+    pg.main()
+    md = (tmp_path / "results" / "ml-100k_peak_geometry.md").read_text()
+    row = claim(md, "random init drifts to a popularity axis")
+    assert row.endswith("| reproduced |") and "over seeds 0,1" in row, row
+    row = claim(md, "mean init's rows")
+    assert "not testable at this budget (rms/spread 0.00 < 0.5)" in row, row
+    assert claim(md, "GTI: mean init collapses").endswith("| not run yet |")
+    assert "| random-s0 | 20 | 0.7" in md
+
+
+def test_isotropic_motion_is_not_a_popularity_axis(tmp_path, monkeypatch):
+    n, _ = setup(tmp_path, monkeypatch)
+    g = np.random.default_rng(1)
+    for seed in (0, 1):
+        E0 = g.standard_normal((n, 16))
+        record(tmp_path, f"random-s{seed}", "random", seed, E0, E0 + g.standard_normal((n, 16)))  # moved ~ 1 x
+    pg.main()
+    row = claim((tmp_path / "results" / "ml-100k_peak_geometry.md").read_text(), "random init drifts")
+    assert not row.endswith("| reproduced |") and "not testable" not in row, row
+
+
+def test_a_record_on_other_sids_is_one_line(tmp_path, monkeypatch):
+    n, _ = setup(tmp_path, monkeypatch)
+    E0 = np.zeros((n + 3, 16))
+    record(tmp_path, "random-s0", "random", 0, E0, E0)
+    with pytest.raises(SystemExit) as e:
+        pg.main()
+    err = str(e.value.code)
+    assert len(err.splitlines()) == 1 and "rerun `python scripts/convergence.py --runs random-s0`" in err, err
+    assert not os.path.exists(tmp_path / "results" / "ml-100k_peak_geometry.md")
