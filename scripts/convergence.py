@@ -58,6 +58,7 @@ from levers import sh  # noqa: E402  (study.py's runner, each step's log in a fo
 from common import atomic_write  # noqa: E402
 from study import (BACKBONE, REPO, beats_popular, censored_verdict, ev, fmt_iv, joint_verdict,  # noqa: E402
                    link_artifacts, paired_ivs, sha, sid_rows)  # (ev = 06's metrics)
+from power import mde, pairs_needed  # noqa: E402
 OUT = "out/ml-100k"
 TOKENIZER = "results/convergence/tokenizer"  # 02's outputs every run trains on, committed
 TOKENIZER_FILES = ("sids.npy", "centroids.pt", "rqvae.pt", "02_rqvae.json")
@@ -384,6 +385,24 @@ def reach_other(ra, rb):
     return (first(ra, max(n for _, _, n in rb["rank_curve"])), first(rb, max(n for _, _, n in ra["rank_curve"])))
 
 
+def gti_power(per_seed, planned=2, paper=0.2203):
+    """What the GTI claims' seed interval can detect before their pairs exist: the spread over seed pairs of a
+    difference at the peak, estimated from centroid - random (Recall@10, the seeds' per-user means); the t interval's
+    MDE with `planned` pairs, and the pairs needed for the paper's Recall@10 gain (+22.03%) on mean-full's Recall@10.
+    -> a markdown line, or None before two centroid/random seed pairs and mean-full exist."""
+    both = sorted(set(per_seed.get("centroid", {})) & set(per_seed.get("random", {})))
+    if len(both) < 2 or not per_seed.get("mean-full"):
+        return None
+    d = [per_seed["centroid"][s]["recall@10"].mean() - per_seed["random"][s]["recall@10"].mean() for s in both]
+    base = np.mean([m["recall@10"].mean() for m in per_seed["mean-full"].values()])
+    sd, effect = float(np.std(d, ddof=1)), paper * base
+    return (f"What {planned} seed pairs can detect: the spread of a Recall@10 difference over seed pairs at the peak, "
+            f"estimated from centroid - random ({len(both)} pairs: sd {sd:.4f}; itself a rough estimate), gives the t "
+            f"interval an MDE (80% power) of {mde(sd / np.sqrt(planned), planned - 1):.4f} with {planned} pairs; the "
+            f"paper's +22.03% on mean-full's Recall@10 is {effect:.4f}, which needs "
+            f"{pairs_needed(sd / np.sqrt(len(both)), len(both), effect)} seed pairs (scripts/power.py's formulas).")
+
+
 def gti_report(recs, per, test, histories, pop):
     """The GTI claims at the peak (markdown lines; none before any GTI run has finished)."""
     per_seed = {}
@@ -403,6 +422,8 @@ def gti_report(recs, per, test, histories, pop):
     for claim, paper, a, b, metric, judged in GTI_CLAIMS:
         ours, b_text, v = gti_claim(per_seed, pop_users, a, b, metric, judged)
         text.append(f"| {claim} ({a} - {b}) | {paper} | {ours} | {b_text} | {v} |")
+    if line := gti_power(per_seed):
+        text += ["", line, ""]
     for a, b in dict.fromkeys((c[2], c[3]) for c in GTI_CLAIMS):
         for sd in sorted(set(per_seed.get(a, {})) & set(per_seed.get(b, {}))):
             ra, rb = recs[f"{a}-s{sd}"][0], recs[f"{b}-s{sd}"][0]

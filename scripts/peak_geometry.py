@@ -111,8 +111,9 @@ def main():
         res.setdefault(rec["kind"], []).append({"seed": rec["seed"], "diag": d})
         i, p, dis = d["init"]["levels"]["all"], d[STAGE]["levels"]["all"], d[STAGE]["displacement"]["levels"]["all"]
         mv, walk = moved(d[STAGE]), ", ".join(f"{s}: {x:.2f}" for s, x in path)
-        table.append(f"| {name} | {rec['best_step']} | {'inf (init rows identical)' if mv == np.inf else fmt(mv, '{:.2f}')} "
-                     f"| {walk} | {i['effective_rank']:.1f} -> {p['effective_rank']:.1f} | {fmt(i['rsa_centroids'])} -> "
+        mv = "inf (init rows identical)" if mv == np.inf else fmt(mv, "{:.2f}")
+        table.append(f"| {name} | {rec['best_step']} | {mv} | {walk} | {i['effective_rank']:.1f} -> "
+                     f"{p['effective_rank']:.1f} | {fmt(i['rsa_centroids'])} -> "
                      f"{fmt(p['rsa_centroids'])} | {fmt(i['rsa_codebook'])} -> {fmt(p['rsa_codebook'])} | "
                      f"{fmt(p['pop_spearman_abs'])} | {fmt(dis['pc1_freq_abs_spearman'])} (p {fmt(dis['perm_p'])}) | "
                      f"{per_level(d[STAGE])} | "
@@ -134,9 +135,9 @@ def main():
         "run's rows at step 0 (the init 05 started from) and at its best step by validation NDCG@10 (the checkpoint "
         "its test metrics come from), measured by 07_diagnose.py's `diagnose` on the pinned SIDs.", "",
         f"A claim about what training does to the rows gets a verdict only where the rows moved: rms(peak - init) >= "
-        f"{MOVED} x the init rows' spread, on the seeds' interval (scripts/study.py's rule; mean init has no spread, so "
-        "all its rows' geometry is training's: inf). Thresholds are judged on the 95% t interval over seeds (one "
-        "seed: provisional); the popularity axis is |Spearman| of token frequency with PC1 of the displacement, "
+        f"{MOVED} x the init rows' spread, on the seeds' interval (scripts/study.py's rule; mean init has no spread, "
+        "so all its rows' geometry is training's: inf). Thresholds are judged on the 95% t interval over seeds "
+        "(one seed: provisional); the popularity axis is |Spearman| of token frequency with PC1 of the displacement, "
         "against 1,000 shuffles of the frequencies.", "",
         "| run | best step | moved at the peak (rms/spread) | moved at each validation (rms/spread; mean init: rms) "
         "| effective rank init -> peak | RSA centroids | RSA codebook | pop abs(rho) PC1 of rows | PC1 of dE ~ freq "

@@ -310,6 +310,19 @@ def test_gti_claim_needs_a_baseline_that_trains():
         "not run yet")
 
 
+def test_gti_power_from_the_peak_seed_spread():
+    """The seed pairs the GTI claims need, from centroid - random's spread at the peak: per-seed Recall@10 differences
+    0 and 0.01 (sd 0.00707) give 2 pairs an MDE of (12.706 + 1.376) x 0.00707 / sqrt(2) = 0.0704; the paper's 22.03%
+    of 0.25 = 0.0551 needs 3 pairs ((4.303 + 1.061) x 0.00707 / sqrt(3) = 0.0219). Nothing before two pairs."""
+    n = 400
+    hits = lambda k: {"recall@10": (np.arange(n) < k).astype(float)}   # noqa: E731  (k / 400)
+    per = {"random": {0: hits(40), 1: hits(40)}, "centroid": {0: hits(40), 1: hits(44)}, "mean-full": {0: hits(100)}}
+    line = conv.gti_power(per)
+    assert "sd 0.0071" in line and "MDE (80% power) of 0.0704 with 2 pairs" in line, line
+    assert "is 0.0551, which needs 3 seed pairs" in line, line
+    assert conv.gti_power({**per, "centroid": {0: hits(40)}}) is None
+
+
 def test_unknown_kind_is_one_line():
     with pytest.raises(SystemExit, match=r"unknown kind 'mean-fulll' in --inits; choose from ceiling,"):
         conv.runs_of(argparse.Namespace(inits="mean-fulll", seeds="0"))
