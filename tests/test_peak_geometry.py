@@ -12,10 +12,11 @@ from conftest import load_script, make_synthetic_out
 pg = load_script("scripts/peak_geometry.py")
 
 
-def setup(tmp_path, monkeypatch):
+def setup(tmp_path, monkeypatch, levels=(4, 4, 4)):
     monkeypatch.setattr(pg, "REPO", str(tmp_path))
     base = tmp_path / pg.BASE
-    make_synthetic_out(str(base), num_users=60, num_items=80)
+    make_synthetic_out(str(base), num_users=60 * len(levels) * levels[0] // 12, num_items=20 * levels[0],
+                       levels=levels)
     data = pg.load_data()
     tok, item_tok, n = pg.row_index(data["sids"], data["centroids"])
     freq = np.concatenate([np.bincount(data["sids"][:, l], weights=data["pop"], minlength=len(t))[t >= 0]
@@ -56,6 +57,28 @@ def test_a_popularity_drift_is_found_and_still_rows_are_not_testable(tmp_path, m
     assert "| random-s0 | 20 | 0.7" in md
 
 
+def test_levels_drifting_apart_hide_the_axis_over_all_rows_not_within_a_level(tmp_path, monkeypatch):
+    """Each level's rows move by its own large offset (the levels separate) plus a small push along frequency: PC1 over
+    all rows is the levels' separation (all-rows rule: not reproduced), within a level it is frequency."""
+    n, freq = setup(tmp_path, monkeypatch, levels=(24, 24, 24))             # a level's null needs its codes
+    data = pg.load_data()
+    tok, _, _ = pg.row_index(data["sids"], data["centroids"])
+    level = np.concatenate([np.full(int((t >= 0).sum()), l) for l, t in enumerate(tok)])
+    g, d = np.random.default_rng(2), 16
+    for seed in (0, 1):
+        E0 = g.standard_normal((n, d))
+        u, v = np.linalg.qr(g.standard_normal((d, 2)))[0].T                 # two orthogonal unit directions
+        off = 8.0 * np.array([1, -1] + [0] * (len(tok) - 2))[:, None] * u    # levels a, b move apart along u
+        z = np.concatenate([(freq[level == l] - freq[level == l].mean()) / (freq[level == l].std() + 1e-9)
+                            for l in range(len(tok))])
+        E1 = E0 + off[level] + 2.0 * np.outer(z, v)                          # and along frequency within a level
+        record(tmp_path, f"random-s{seed}", "random", seed, E0, E1)
+    pg.main()
+    md = (tmp_path / "results" / "ml-100k_peak_geometry.md").read_text()
+    assert not claim(md, "random init drifts to a popularity axis (Thm 3.1)").endswith("| reproduced |")
+    assert claim(md, "random init drifts to a popularity axis, within each code level").endswith("| reproduced |")
+
+
 def test_isotropic_motion_is_not_a_popularity_axis(tmp_path, monkeypatch):
     n, _ = setup(tmp_path, monkeypatch)
     g = np.random.default_rng(1)
@@ -64,6 +87,9 @@ def test_isotropic_motion_is_not_a_popularity_axis(tmp_path, monkeypatch):
         record(tmp_path, f"random-s{seed}", "random", seed, E0, E0 + g.standard_normal((n, 16)))  # moved ~ 1 x
     pg.main()
     row = claim((tmp_path / "results" / "ml-100k_peak_geometry.md").read_text(), "random init drifts")
+    assert not row.endswith("| reproduced |") and "not testable" not in row, row
+    row = claim((tmp_path / "results" / "ml-100k_peak_geometry.md").read_text(), "random init drifts to a popularity "
+                "axis, within")
     assert not row.endswith("| reproduced |") and "not testable" not in row, row
 
 
