@@ -124,16 +124,23 @@ def pin_tokenizer():
     return sha(f"{pinned}/sids.npy")
 
 
-def build_base(init, pinned_sha):
-    """out/ml-100k/convergence/base: 01's files linked from make run, the pinned 02 files (sha256 prefix
-    pinned_sha) copied, and the run's input model rebuilt on them (03 for random/centroid; + 04's 120
-    grounding steps for the ceiling)."""
+def stage_base(pinned_sha):
+    """out/ml-100k/convergence/base's inputs: 01's files linked from make run, the pinned 02 files (sha256 prefix
+    pinned_sha) copied. -> True when they were (re)copied (the first call, or the pin changed)."""
     base, pinned = f"{REPO}/{BASE}", f"{REPO}/{TOKENIZER}"
     link_artifacts(f"{REPO}/{OUT}", base, ("dataset.pt", "item_emb.npy", "01_embed_items.json"))
     stale = not os.path.exists(f"{base}/sids.npy") or sha(f"{base}/sids.npy") != pinned_sha
-    if stale:                                                   # first call, or the pin changed
+    if stale:
         for f in TOKENIZER_FILES:
             atomic_write(f"{base}/{f}", lambda t, f=f: shutil.copyfile(f"{pinned}/{f}", t))
+    return stale
+
+
+def build_base(init, pinned_sha):
+    """out/ml-100k/convergence/base: stage_base, and the run's input model rebuilt on the pinned SIDs (03 for
+    random/centroid; + 04's 120 grounding steps for the ceiling)."""
+    base = f"{REPO}/{BASE}"
+    if stage_base(pinned_sha):                                  # models built on other SIDs go
         shutil.rmtree(f"{base}/models", ignore_errors=True)
     log = f"{base}/logs"
     if not os.path.exists(f"{base}/models/random/sid_vocab.json"):

@@ -20,8 +20,8 @@ import numpy as np
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from common import atomic_write, die, load_step  # noqa: E402
-from convergence import BASE, OUT, RECORDS, TOKENIZER, TOKENIZER_FILES  # noqa: E402
-from study import MOVED, REPO, gate, geometry_row, link_artifacts, moved, seed_verdict  # noqa: E402
+from convergence import BASE, OUT, RECORDS, TOKENIZER, sha, stage_base  # noqa: E402
+from study import MOVED, REPO, axis_verdict, gate, geometry_row, moved  # noqa: E402
 
 diag = load_step("07_diagnose")
 STAGE = "peak"
@@ -61,23 +61,20 @@ def level_axis_row(res, a_, what):
         return move, why or "not testable: no level's dE has a PC1"
     rho, q95 = [np.mean([v["pc1_freq_abs_spearman"] for v in p]) for p in per], [np.mean([v["perm_q95"] for v in p])
                                                                                 for p in per]
-    iv, v = seed_verdict(rho, t, zero=max(q95))
-    v = "inconclusive (a seed within its permutation null)" if v.startswith("reproduced") and not all(
-        r > q for r, q in zip(rho, q95)) else v
+    iv, v = axis_verdict(rho, q95, t)
     return (f"mean over the code levels of abs(Spearman) of token frequency with PC1 of the level's dE: {iv} over "
             f"seeds {','.join(map(str, ds))} (threshold {t}; null q95 <= {max(q95):.3f}); {move}", why or v)
 
 
 def load_data():
-    """07's inputs on the pinned SIDs: make run's dataset.pt and item_emb.npy, the tokenizer's sids/centroids/rqvae
-    (convergence.py's base folder has exactly these; made here when it is missing)."""
-    base = f"{REPO}/{BASE}"
-    if not os.path.exists(f"{base}/sids.npy"):
-        if not os.path.exists(f"{REPO}/{OUT}/dataset.pt"):
-            die(f"{OUT}/dataset.pt not found: run `make run` (01) first")
-        link_artifacts(f"{REPO}/{OUT}", base, ("dataset.pt", "item_emb.npy"))
-        link_artifacts(f"{REPO}/{TOKENIZER}", base, TOKENIZER_FILES)
-    _, _, data = diag.load_step_artifacts(base)
+    """07's inputs on the pinned SIDs: make run's dataset.pt and item_emb.npy, the tokenizer's sids/centroids/rqvae,
+    staged in convergence.py's base folder as its runs stage them."""
+    if not os.path.exists(f"{REPO}/{OUT}/dataset.pt"):
+        die(f"{OUT}/dataset.pt not found: run `make run` (01) first")
+    if not os.path.exists(f"{REPO}/{TOKENIZER}/sids.npy"):
+        die(f"{TOKENIZER}/sids.npy not found: the records need the SIDs they were trained on (git checkout it)")
+    stage_base(sha(f"{REPO}/{TOKENIZER}/sids.npy"))
+    _, _, data = diag.load_step_artifacts(f"{REPO}/{BASE}")
     data["names"], data["device"] = [chr(97 + l) for l in range(data["sids"].shape[1])], "cpu"
     return data
 
@@ -133,10 +130,11 @@ def main():
     with_rows = {k: r for k, r in recs.items() if r.get("rows")}
     data = load_data()
     tok, item_tok, n = row_index(data["sids"], data["centroids"])
-    res, table = {}, []
+    res, table, width = {}, [], 1
     for name, rec in with_rows.items():
         d, path = measure(name, rec, data, tok, item_tok, n)
         res.setdefault(rec["kind"], []).append({"seed": rec["seed"], "diag": d})
+        width = d[STAGE]["d_model"]
         i, p, dis = d["init"]["levels"]["all"], d[STAGE]["levels"]["all"], d[STAGE]["displacement"]["levels"]["all"]
         mv, walk = moved(d[STAGE]), ", ".join(f"{s}: {x:.2f}" for s, x in path)
         mv = "inf (init rows identical)" if mv == np.inf else fmt(mv, "{:.2f}")
@@ -153,7 +151,6 @@ def main():
         claims.append(f"| {claim} | {paper} | {ours} | {v} |")
     lacking = sorted(set(recs) - set(with_rows))
     emb = np.load(f"{REPO}/{BASE}/item_emb.npy", allow_pickle=False)         # purity's references, as 07 prints them
-    width = next((np.load(f"{REPO}/{RECORDS}/{r['rows']}")["input"].shape[2] for r in with_rows.values()), 1)
     gauss = np.random.default_rng(0).standard_normal((n, width))                 # as 07's reference (its seed 0)
     ref = (f"purity@10 references: item_emb.npy {diag.knn_purity(emb, data['category']):.3f}, random Gaussian SID "
            f"rows {diag.knn_purity(gauss[item_tok].mean(1), data['category']):.3f}")

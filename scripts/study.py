@@ -758,6 +758,14 @@ def equivalence(ivs, margin):
     return "different" if len(sides) == 1 and "" not in sides else "inconclusive"
 
 
+def axis_verdict(rho, q95, t):
+    """A popularity-axis threshold t on the seeds' |Spearman| values rho, each against its permutation null's q95:
+    seed_verdict (not reproduced only below every null), and "reproduced" only when every seed beats its own null."""
+    iv, v = seed_verdict(rho, t, zero=max(q95))
+    return iv, "inconclusive (a seed within its permutation null)" if v.startswith("reproduced") and not all(
+        r > q for r, q in zip(rho, q95)) else v
+
+
 def geometry_row(res, cpt, kind, a_, b_, what):
     """A geometry claim: the per-seed effect over the seeds both sides have, judged on its seed interval, only where
     every trained side moved (gate). kind "geometry": runs (what: key, stage a, stage b, form, t); "cpt_geometry":
@@ -775,9 +783,7 @@ def geometry_row(res, cpt, kind, a_, b_, what):
         rho, q95 = [x.get("pc1_freq_abs_spearman") for x in m], [x.get("perm_q95") for x in m]
         if None in rho + q95:                               # moved, but dE shifts every row alike: no PC1
             return move, why or "not testable: dE is one shift of every row (no PC1)"
-        iv, v = seed_verdict(rho, t, zero=max(q95))
-        v = "inconclusive (a seed within its permutation null)" if v.startswith("reproduced") and not all(
-            r > q for r, q in zip(rho, q95)) else v
+        iv, v = axis_verdict(rho, q95, t)
         return (f"abs(Spearman) of token frequency with PC1 of dE ({label(a_, st)} - its init): {iv} over "
                 f"{seeds(list(ds))} (threshold {t}; permutation null q95 <= {max(q95):.3f}); {move}", why or v)
     key, sa, sb, form, t = what

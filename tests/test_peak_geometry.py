@@ -3,6 +3,8 @@ pushed along token frequency (Thm 3.1's axis) by more than study.MOVED x their s
 seeds; rows that did not move give "not testable at this budget"; a record on other SIDs is a one-line error."""
 import json
 import os
+import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -13,15 +15,22 @@ pg = load_script("scripts/peak_geometry.py")
 
 
 def setup(tmp_path, monkeypatch, levels=(4, 4, 4)):
-    monkeypatch.setattr(pg, "REPO", str(tmp_path))
-    base = tmp_path / pg.BASE
-    make_synthetic_out(str(base), num_users=60 * len(levels) * levels[0] // 12, num_items=20 * levels[0],
+    """make run's 01/02 files in out/ml-100k, its 02 files pinned in the tokenizer folder (as convergence.py pins
+    them); peak_geometry stages the base folder from both."""
+    for mod in (pg, sys.modules["convergence"]):
+        monkeypatch.setattr(mod, "REPO", str(tmp_path))
+    out = tmp_path / pg.OUT
+    make_synthetic_out(str(out), num_users=60 * len(levels) * levels[0] // 12, num_items=20 * levels[0],
                        levels=levels)
+    (tmp_path / pg.TOKENIZER).mkdir(parents=True)
+    (out / "02_rqvae.json").write_text("{}")
+    for f in ("sids.npy", "centroids.pt", "rqvae.pt", "02_rqvae.json"):
+        shutil.copyfile(out / f, tmp_path / pg.TOKENIZER / f)
     data = pg.load_data()
     tok, item_tok, n = pg.row_index(data["sids"], data["centroids"])
     freq = np.concatenate([np.bincount(data["sids"][:, l], weights=data["pop"], minlength=len(t))[t >= 0]
                            for l, t in enumerate(tok)])                  # each row's token frequency, row order
-    (tmp_path / pg.RECORDS).mkdir(parents=True)
+    (tmp_path / pg.RECORDS).mkdir(parents=True, exist_ok=True)
     return n, freq
 
 
