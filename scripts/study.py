@@ -741,10 +741,14 @@ def trains(pu, b_, pop_users):
 
 def joint_verdict(d, iv, pairs):
     """Two kinds of noise: which users are tested (bootstrap d) and which training run (t interval iv over seed
-    pairs). A verdict needs both intervals on the same side of 0; with one seed pair only the bootstrap exists.
-    -> (verdict, True when the seed pairs overruled the users)."""
+    pairs). A verdict needs both intervals on the same side of 0; with one seed pair only the bootstrap exists, so a
+    decided verdict says it is provisional (more pairs can only overrule it). -> (verdict, True when the seed pairs
+    overruled the users)."""
     users, seeds = verdict(d[1], d[2]), verdict(iv[1], iv[2])
-    return (users, False) if pairs < 2 or users == seeds else ("inconclusive", True)
+    if pairs < 2:
+        one = "" if users == "inconclusive" else " (provisional: 1 seed pair, the seed spread not measured)"
+        return users + one, False
+    return (users, False) if users == seeds else ("inconclusive", True)
 
 
 def equivalence(ivs, margin):

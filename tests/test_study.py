@@ -559,3 +559,19 @@ def test_a_baseline_below_most_popular_is_not_testable(constructed):
     claims = {r[0]: r for r in table(md, "The papers' claims")}
     assert "trained on 2 different SIDs: confounded" in claims["centroid vs random: Recall@5"][3]
     assert "SIDs (sha256 of the sids.npy each run trained on): -, 012345;" in md
+
+
+def test_one_seed_pair_verdict_says_provisional(tmp_path):
+    """With one seed pair only the users' bootstrap exists: the verdict is given, marked provisional; with two pairs
+    that agree it is not."""
+    a = study.parse_args(["--work-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "res"),
+                          "--dataset", "toy"])
+    for s in range(2):
+        fake_run(a, "centroid", s, range(200), RANDOM, {})                  # hits half the users
+        fake_run(a, "random", s, range(100 + s), RANDOM, {})                 # a quarter
+    res = study.collect(a, ["centroid", "random"])
+    pu = {v: study.per_user(r, np.arange(U), np.zeros(U, bool)) for v, r in res.items()}
+    one = {v: {**p, "users_by_seed": {0: p["users_by_seed"][0]}} for v, p in pu.items()}
+    ours, v = study.claim_row(res, one, "paired", "centroid", "random", "recall@5")
+    assert v == "reproduced (provisional: 1 seed pair, the seed spread not measured)", v
+    assert study.claim_row(res, pu, "paired", "centroid", "random", "recall@5")[1] == "reproduced"
