@@ -386,10 +386,15 @@ def gti_claim(per_seed, pop_users, a, b, metric, judged):
     return ours, b_text, v + (" (inside the seed spread)" if overruled else "")
 
 
-def reach_other(ra, rb):
-    """Steps each of two runs needs to reach the other's best validation NDCG@10 (None: never)."""
-    first = lambda r, thr: next((s for s, _, n in r["rank_curve"] if n >= thr), None)  # noqa: E731
-    return (first(ra, max(n for _, _, n in rb["rank_curve"])), first(rb, max(n for _, _, n in ra["rank_curve"])))
+def reach_other(a, b, ra, rb):
+    """The first validation step at which each of two runs (names a, b; records ra, rb) reaches the other's best
+    validation NDCG@10, as a line; a run that never does says so with the last step it ranked."""
+    def first(r, other):
+        thr = max(n for _, _, n in other["rank_curve"])
+        s = next((s for s, _, n in r["rank_curve"] if n >= thr), None)
+        return f"step {s}" if s is not None else f"no validation up to step {r['stopped_at']}"
+    return (f"{a} reaches {b}'s best validation NDCG@10 at {first(ra, rb)} ({b}'s best step {rb['best_step']}); "
+            f"{b} reaches {a}'s at {first(rb, ra)} ({a}'s best step {ra['best_step']})")
 
 
 def gti_power(per_seed, planned=2, paper=0.2203):
@@ -434,9 +439,7 @@ def gti_report(recs, per, test, histories, pop):
     for a, b in dict.fromkeys((c[2], c[3]) for c in GTI_CLAIMS):
         for sd in sorted(set(per_seed.get(a, {})) & set(per_seed.get(b, {}))):
             ra, rb = recs[f"{a}-s{sd}"][0], recs[f"{b}-s{sd}"][0]
-            ha, hb = reach_other(ra, rb)
-            text.append(f"- seed {sd}: {a} reaches {b}'s best validation NDCG@10 at step {ha} ({b}'s best step "
-                        f"{rb['best_step']}); {b} reaches {a}'s at step {hb} ({a}'s best step {ra['best_step']})")
+            text.append(f"- seed {sd}: " + reach_other(a, b, ra, rb))
     return text
 
 

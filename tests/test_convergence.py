@@ -219,6 +219,15 @@ def test_reach_reads_the_first_validation_at_random_peak():
     assert conv.reach({"random-s0": recs["random-s0"]}) == ([], "inconclusive: no seed pair with both validation curves")
 
 
+def test_reach_other_names_a_run_that_never_gets_there():
+    """Steps each GTI-claim run needs to reach the other's best; one that never does says so, with its last step."""
+    gti, _ = curve("mean+gti", 0, [0.0, 0.05, 0.10, 0.12, 0.11])        # best 0.12 at 660
+    mean, _ = curve("mean", 0, [0.0, 0.02, 0.06, 0.09, 0.08, 0.07])     # best 0.09 at 660
+    assert conv.reach_other("g", "m", gti, mean) == (
+        "g reaches m's best validation NDCG@10 at step 440 (m's best step 660); "
+        "m reaches g's at no validation up to step 1100 (g's best step 660)")
+
+
 def test_report_from_records_alone(tmp_path, monkeypatch):
     """The table and figure come from the records (no run folders): test metrics recomputed from the ranked
     lists, each run paired with SASRec's lists, a pair on different SIDs flagged, the runs not made yet named with their command."""

@@ -572,6 +572,6 @@ def test_one_seed_pair_verdict_says_provisional(tmp_path):
     res = study.collect(a, ["centroid", "random"])
     pu = {v: study.per_user(r, np.arange(U), np.zeros(U, bool)) for v, r in res.items()}
     one = {v: {**p, "users_by_seed": {0: p["users_by_seed"][0]}} for v, p in pu.items()}
-    ours, v = study.claim_row(res, one, "paired", "centroid", "random", "recall@5")
+    _, v = study.claim_row(res, one, "paired", "centroid", "random", "recall@5")
     assert v == "reproduced (provisional: 1 seed pair, the seed spread not measured)", v
     assert study.claim_row(res, pu, "paired", "centroid", "random", "recall@5")[1] == "reproduced"
