@@ -314,8 +314,7 @@ def reach(recs):
     for sd, r, c in seed_pairs(recs):
         if not r.get("rank_curve") or not c.get("rank_curve"):
             continue
-        peak = max(n for _, _, n in r["rank_curve"])
-        hit = next((s for s, _, n in c["rank_curve"] if n >= peak), None)
+        peak, hit = first_reach(c, r)
         at = f"seed {sd}: random's best {peak:.4f} at step {r['best_step']}; centroid reaches it "
         step, side = (c["stopped_at"], "a") if hit is None else (hit, "")
         saved.append((1 - step / r["best_step"], side))
@@ -386,12 +385,17 @@ def gti_claim(per_seed, pop_users, a, b, metric, judged):
     return ours, b_text, v + (" (inside the seed spread)" if overruled else "")
 
 
+def first_reach(r, other):
+    """(other's best validation NDCG@10, the first validation step at which run r reaches it; None: never)."""
+    best = max(n for _, _, n in other["rank_curve"])
+    return best, next((s for s, _, n in r["rank_curve"] if n >= best), None)
+
+
 def reach_other(a, b, ra, rb):
     """The first validation step at which each of two runs (names a, b; records ra, rb) reaches the other's best
     validation NDCG@10, as a line; a run that never does says so with the last step it ranked."""
     def first(r, other):
-        thr = max(n for _, _, n in other["rank_curve"])
-        s = next((s for s, _, n in r["rank_curve"] if n >= thr), None)
+        s = first_reach(r, other)[1]
         return f"step {s}" if s is not None else f"no validation up to step {r['stopped_at']}"
     return (f"{a} reaches {b}'s best validation NDCG@10 at {first(ra, rb)} ({b}'s best step {rb['best_step']}); "
             f"{b} reaches {a}'s at {first(rb, ra)} ({a}'s best step {ra['best_step']})")
