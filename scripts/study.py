@@ -51,6 +51,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKBONE = "models/SmolLM2-135M-Instruct"
+PINNED = "results/convergence/tokenizer"          # ml-100k's pinned 02 outputs (scripts/convergence.py made them)
 sys.path.insert(0, REPO)
 from common import atomic_write, load_step  # noqa: E402
 
@@ -114,9 +115,16 @@ def parse_args(argv=None):
     p.add_argument("--keep-models", action="store_true", help="keep the weights (~0.5 GB per model folder)")
     p.add_argument("--device", default="cpu", help="--device for 02-07 (cpu | cuda)")
     p.add_argument("--out-root", default="out", help="01/02 artifacts: <out-root>/<dataset> (made when missing)")
+    p.add_argument("--sids", default="auto", help="a folder of 02's outputs every RQ-VAE run trains on instead of "
+                   "<out-root>'s (02 learns other codes on another CPU); auto: ml-100k's pinned tokenizer "
+                   f"{PINNED}/ (the one the convergence runs train on); '' = <out-root>'s 02")
     p.add_argument("--work-dir", default="runs/study", help="the run folders (git-ignored)")
     p.add_argument("--results-dir", default="results", help="the markdown report and figures")
     a = p.parse_args(argv)
+    if a.sids == "auto":
+        a.sids = PINNED if a.dataset == "ml-100k" and os.path.exists(os.path.join(REPO, PINNED, "sids.npy")) else ""
+    if a.sids and not os.path.exists(os.path.join(a.sids, "sids.npy")):
+        die(f"{os.path.join(a.sids, 'sids.npy')} not found; point --sids at a folder of 02's outputs, or '' to run 02")
     a.seeds = [int(s) for s in str(a.seeds).split(",") if s != ""]
     a.variants = a.variants.split(",")
     bad = [v for v in a.variants if v not in VARIANTS]
@@ -129,8 +137,11 @@ def parse_args(argv=None):
 # The plan: which scripts, with which flags, and the file that says each step is done
 # ---------------------------------------------------------------------------------------------------
 def tokenizer_dir(a, tokenizer):
-    base = os.path.join(a.out_root, a.dataset)
-    return base if tokenizer == "rqvae" else os.path.join(a.work_dir, a.dataset, f"_tok_{tokenizer}")
+    """The folder a tokenizer's runs link their 01/02 files from: <out-root>/<dataset> (or, with --sids, a folder of
+    links to <out-root>'s 01 files and --sids' 02 files), or its own folder for another tokenizer."""
+    if tokenizer == "rqvae":
+        return os.path.join(a.work_dir, a.dataset, "_tok_pinned") if a.sids else os.path.join(a.out_root, a.dataset)
+    return os.path.join(a.work_dir, a.dataset, f"_tok_{tokenizer}")
 
 
 def run_dir(a, variant, seed):
@@ -153,8 +164,9 @@ def plan_setup(a, tokenizer):
     step02 = Step("02", "02_rqvae.py", ["--out-dir", d, *TOKENIZER_02[tokenizer], *dev], os.path.join(d, "02_rqvae.json"))
     if tokenizer != "rqvae":
         return [step02]
-    return [Step("01", "01_embed_items.py", ["--dataset", a.dataset, "--out-dir", d], os.path.join(d, "dataset.pt")),
-            step02]
+    o = os.path.join(a.out_root, a.dataset)
+    return [Step("01", "01_embed_items.py", ["--dataset", a.dataset, "--out-dir", o], os.path.join(o, "dataset.pt")),
+            *([] if a.sids else [step02])]
 
 
 def step03(run, v, seed, dev):
@@ -1066,6 +1078,10 @@ def main(argv=None):
                 link_artifacts(tokenizer_dir(a, "rqvae"), tokenizer_dir(a, t),
                                ("dataset.pt", "item_emb.npy", "01_embed_items.json"))
             total += execute(a, plan_setup(a, t), logs)
+            if t == "rqvae" and a.sids and not a.dry_run:                 # 01's files + the pinned 02 files
+                link_artifacts(os.path.join(a.out_root, a.dataset), tokenizer_dir(a, t),
+                               ("dataset.pt", "item_emb.npy", "01_embed_items.json"))
+                link_artifacts(a.sids, tokenizer_dir(a, t), ("sids.npy", "centroids.pt", "rqvae.pt", "02_rqvae.json"))
         for seed in a.seeds:                                           # seed-major: one seed of everything first
             for init in dict.fromkeys(VARIANTS[v].init for v in a.variants if VARIANTS[v].cpt):
                 print(f"--- CPT chain {init} seed {seed}")
@@ -1076,7 +1092,7 @@ def main(argv=None):
         print(f"{'estimated' if a.dry_run else 'measured'} CPU time of this piece: {total / 3600:.2f} h")
         if a.dry_run:
             return
-    ds = os.path.join(tokenizer_dir(a, "rqvae"), "dataset.pt")
+    ds = os.path.join(a.out_root, a.dataset, "dataset.pt")                # 01's, whichever SIDs the runs used
     if not os.path.exists(ds):
         die(f"{ds} not found; run the study (01) first")
     import torch

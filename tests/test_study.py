@@ -435,7 +435,7 @@ def test_killed_piece_resumes(tmp_path, monkeypatch):
     (backbone / "config.json").write_text("{}")
     monkeypatch.setattr(study, "BACKBONE", str(backbone))
     argv = ["--variants", "random,mean+gti,rqk-random", "--seeds", "0", "--work-dir", str(tmp_path / "w"),
-            "--out-root", str(tmp_path / "o"), "--results-dir", str(tmp_path / "r")]
+            "--out-root", str(tmp_path / "o"), "--results-dir", str(tmp_path / "r"), "--sids", ""]
     calls = []
     monkeypatch.setattr(study, "run_script", fake_step(calls, kill="mean+gti"))
     with pytest.raises(SystemExit, match="killed"):                   # killed inside mean+gti's 05
@@ -472,6 +472,32 @@ def test_killed_piece_resumes(tmp_path, monkeypatch):
     assert calls == []
 
 
+def test_runs_train_on_the_pinned_sids(tmp_path, monkeypatch):
+    """--sids: the RQ-VAE runs link their 02 files from the pin (02 does not run for them), 01's from --out-root;
+    the RQ-KMeans axis still learns its own; a --sids folder without sids.npy is a one-line error."""
+    backbone, pin = tmp_path / "backbone", tmp_path / "pin"
+    backbone.mkdir(), pin.mkdir()
+    (backbone / "config.json").write_text("{}")
+    np.save(pin / "sids.npy", np.ones((U, 3), np.int64))
+    monkeypatch.setattr(study, "BACKBONE", str(backbone))
+    argv = ["--variants", "random,rqk-random", "--seeds", "0", "--work-dir", str(tmp_path / "w"), "--out-root",
+            str(tmp_path / "o"), "--results-dir", str(tmp_path / "r"), "--sids", str(pin)]
+    calls = []
+    monkeypatch.setattr(study, "run_script", fake_step(calls, kill=""))
+    study.main(argv)
+    assert [c[0] for c in calls][:2] == ["01_embed_items.py", "02_rqvae.py"]
+    assert "rqkmeans" in calls[1][1] and sum(c[0] == "02_rqvae.py" for c in calls) == 1   # only the RQ-KMeans axis
+    a = study.parse_args(argv)
+    rd = study.run_dir(a, "random", 0)
+    assert os.path.realpath(os.path.join(rd, "sids.npy")) == os.path.realpath(pin / "sids.npy")
+    assert os.path.realpath(os.path.join(rd, "dataset.pt")) == os.path.realpath(tmp_path / "o" / "ml-100k" / "dataset.pt")
+    rec = json.load(open(os.path.join(study.records_dir(a), "random-s0.json")))
+    assert rec["sids_sha256"] == study.sha(str(pin / "sids.npy"))
+    r = run("scripts/study.py", "--dry-run", "--sids", tmp_path, check=False)
+    assert_one_line_error(r)
+    assert "sids.npy not found" in r.stderr
+
+
 def test_unknown_variant_one_line():
     assert_one_line_error(run("scripts/study.py", "--variants", "random,bogus", "--dry-run", check=False))
 
@@ -484,7 +510,7 @@ def test_cpt_chain_runs_once_per_init_and_seed(tmp_path, monkeypatch):
     (backbone / "config.json").write_text("{}")
     monkeypatch.setattr(study, "BACKBONE", str(backbone))
     base = ["--seeds", "0", "--work-dir", str(tmp_path / "w"), "--out-root", str(tmp_path / "o"),
-            "--results-dir", str(tmp_path / "r")]
+            "--results-dir", str(tmp_path / "r"), "--sids", ""]
     calls = []
     monkeypatch.setattr(study, "run_script", fake_step(calls, kill=""))
     study.main(["--variants", "random+cpt2,random+cpt8"] + base)
