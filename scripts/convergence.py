@@ -405,7 +405,18 @@ def gti_power(per_seed, planned=2, paper=0.2203):
     """What the GTI claims' seed interval can detect before their pairs exist: the spread over seed pairs of a
     difference at the peak, estimated from centroid - random (Recall@10, the seeds' per-user means); the t interval's
     MDE with `planned` pairs, and the pairs needed for the paper's Recall@10 gain (+22.03%) on mean-full's Recall@10.
-    -> a markdown line, or None before two centroid/random seed pairs and mean-full exist."""
+    -> a markdown line, or None before two centroid/random seed pairs and mean-full exist. Once mean+gti-full and
+    mean-full share >= 3 seeds, their own spread replaces centroid - random's."""
+    gti = sorted(set(per_seed.get("mean+gti-full", {})) & set(per_seed.get("mean-full", {})))
+    if len(gti) >= 3:
+        k, base = len(gti), np.mean([m["recall@10"].mean() for m in per_seed["mean-full"].values()])
+        d = [per_seed["mean+gti-full"][s]["recall@10"].mean() - per_seed["mean-full"][s]["recall@10"].mean() for s in gti]
+        sd, effect = float(np.std(d, ddof=1)), paper * base
+        return (f"What the seed pairs can detect: mean+gti-full - mean-full's Recall@10 over its {k} seed pairs "
+                f"({', '.join(f'{x:+.4f}' for x in d)}; sd {sd:.4f}) gives the t interval an MDE (80% power) of "
+                f"{mde(sd / np.sqrt(k), k - 1):.4f}; the paper's +22.03% on mean-full's Recall@10 is {effect:.4f}, "
+                f"which needs {pairs_needed(sd / np.sqrt(k), k, effect)} seed pairs at this spread "
+                f"(scripts/power.py's formulas).")
     both = sorted(set(per_seed.get("centroid", {})) & set(per_seed.get("random", {})))
     if len(both) < 2 or not per_seed.get("mean-full"):
         return None

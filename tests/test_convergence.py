@@ -331,6 +331,14 @@ def test_gti_power_from_the_peak_seed_spread():
     assert "sd 0.0071" in line and "MDE (80% power) of 0.0704 with 2 pairs" in line, line
     assert "is 0.0551, which needs 3 seed pairs" in line, line
     assert conv.gti_power({**per, "centroid": {0: hits(40)}}) is None
+    # 3 GTI pairs: their own spread. Differences 0.01, 0.03, 0.02 (sd 0.01): MDE (4.303 + 1.061) x 0.01 / sqrt(3)
+    # = 0.0310; the paper's 22% of 0.25 = 0.0551 needs 2 pairs at that spread ((12.706 + 1.376) x 0.01 / sqrt(2)
+    # = 0.0996 > 0.0551, so not 2) -> 3 pairs
+    per = {**per, "mean-full": {s: hits(100) for s in range(3)},
+           "mean+gti-full": {0: hits(104), 1: hits(112), 2: hits(108)}}
+    line = conv.gti_power(per)
+    assert "over its 3 seed pairs (+0.0100, +0.0300, +0.0200; sd 0.0100)" in line, line
+    assert "MDE (80% power) of 0.0310;" in line and "is 0.0551, which needs 3 seed pairs" in line, line
 
 
 def test_unknown_kind_is_one_line():
