@@ -601,3 +601,11 @@ def test_one_seed_pair_verdict_says_provisional(tmp_path):
     _, v = study.claim_row(res, one, "paired", "centroid", "random", "recall@5")
     assert v == "reproduced (provisional: 1 seed pair, the seed spread not measured)", v
     assert study.claim_row(res, pu, "paired", "centroid", "random", "recall@5")[1] == "reproduced"
+
+
+def test_records_are_not_git_ignored():
+    """The records are the study's committed results: a .gitignore pattern that swallows them loses them."""
+    a = study.parse_args(["--sids", ""])
+    path = os.path.join(study.records_dir(a), "random-s0.json")
+    r = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
+    assert r.returncode == 1, f"{path} is git-ignored"
