@@ -607,5 +607,5 @@ def test_records_are_not_git_ignored():
     """The records are the study's committed results: a .gitignore pattern that swallows them loses them."""
     a = study.parse_args(["--sids", ""])
     path = os.path.join(study.records_dir(a), "random-s0.json")
-    r = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
+    r = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO)
     assert r.returncode == 1, f"{path} is git-ignored"
