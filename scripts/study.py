@@ -9,7 +9,9 @@ One run = one variant x one seed, in runs/study/<dataset>/<variant>/seed<s>/ (01
     [bench/exact_search.py --protocol excluded --cold-max 25]   seed 0 only, with --exact
 then the weights are deleted (JSONs and topk .npy stay; seed 0 keeps a slim copy of its embedding matrix per
 stage for the side-by-side figures). The rqk-* variants (tokenizer axis) use a second artifacts folder,
-runs/study/<dataset>/_tok_rqkmeans: 01's files linked, 02 --quantizer rqkmeans --collisions reassign.
+runs/study/<dataset>/_tok_rqkmeans: 01's files linked, 02 --quantizer rqkmeans --collisions reassign. On ml-100k the
+RQ-VAE runs train on the pinned tokenizer (results/convergence/tokenizer/, as scripts/convergence.py's runs; --sids):
+02 learns other codes on another CPU, and records made on other SIDs could not be paired.
 
 Report (results/<dataset>.md + figures) from whatever runs have finished, with the seed count of every row:
 test Recall/NDCG (history excluded) and cold targets (seen <= 25 times in training), validation curves and steps
