@@ -407,27 +407,27 @@ def gti_power(per_seed, planned=2, paper=0.2203):
     MDE with `planned` pairs, and the pairs needed for the paper's Recall@10 gain (+22.03%) on mean-full's Recall@10.
     -> a markdown line, or None before two centroid/random seed pairs and mean-full exist. Once mean+gti-full and
     mean-full share >= 3 seeds, their own spread replaces centroid - random's."""
+    diffs = lambda a_, b_, seeds: [per_seed[a_][s]["recall@10"].mean() - per_seed[b_][s]["recall@10"].mean()  # noqa: E731
+                                   for s in seeds]
     gti = sorted(set(per_seed.get("mean+gti-full", {})) & set(per_seed.get("mean-full", {})))
-    if len(gti) >= 3:
-        k, base = len(gti), np.mean([m["recall@10"].mean() for m in per_seed["mean-full"].values()])
-        d = [per_seed["mean+gti-full"][s]["recall@10"].mean() - per_seed["mean-full"][s]["recall@10"].mean() for s in gti]
-        sd, effect = float(np.std(d, ddof=1)), paper * base
+    both = sorted(set(per_seed.get("centroid", {})) & set(per_seed.get("random", {})))
+    own = len(gti) >= 3                                               # the GTI pairs' own spread
+    if not own and (len(both) < 2 or not per_seed.get("mean-full")):
+        return None
+    d = diffs("mean+gti-full", "mean-full", gti) if own else diffs("centroid", "random", both)
+    k, sd = len(d), float(np.std(d, ddof=1))
+    effect = paper * np.mean([m["recall@10"].mean() for m in per_seed["mean-full"].values()])
+    if own:
         return (f"What the seed pairs can detect: mean+gti-full - mean-full's Recall@10 over its {k} seed pairs "
                 f"({', '.join(f'{x:+.4f}' for x in d)}; sd {sd:.4f}) gives the t interval an MDE (80% power) of "
                 f"{mde(sd / np.sqrt(k), k - 1):.4f}; the paper's +22.03% on mean-full's Recall@10 is {effect:.4f}, "
                 f"which needs {pairs_needed(sd / np.sqrt(k), k, effect)} seed pairs at this spread "
                 f"(scripts/power.py's formulas).")
-    both = sorted(set(per_seed.get("centroid", {})) & set(per_seed.get("random", {})))
-    if len(both) < 2 or not per_seed.get("mean-full"):
-        return None
-    d = [per_seed["centroid"][s]["recall@10"].mean() - per_seed["random"][s]["recall@10"].mean() for s in both]
-    base = np.mean([m["recall@10"].mean() for m in per_seed["mean-full"].values()])
-    sd, effect = float(np.std(d, ddof=1)), paper * base
     return (f"What {planned} seed pairs can detect: the spread of a Recall@10 difference over seed pairs at the peak, "
-            f"estimated from centroid - random ({len(both)} pairs: sd {sd:.4f}; itself a rough estimate), gives the t "
+            f"estimated from centroid - random ({k} pairs: sd {sd:.4f}; itself a rough estimate), gives the t "
             f"interval an MDE (80% power) of {mde(sd / np.sqrt(planned), planned - 1):.4f} with {planned} pairs; the "
             f"paper's +22.03% on mean-full's Recall@10 is {effect:.4f}, which needs "
-            f"{pairs_needed(sd / np.sqrt(len(both)), len(both), effect)} seed pairs (scripts/power.py's formulas).")
+            f"{pairs_needed(sd / np.sqrt(k), k, effect)} seed pairs (scripts/power.py's formulas).")
 
 
 def gti_report(recs, per, test, histories, pop):

@@ -124,7 +124,8 @@ def parse_args(argv=None):
     p.add_argument("--results-dir", default="results", help="the markdown report and figures")
     a = p.parse_args(argv)
     if a.sids == "auto":
-        a.sids = PINNED if a.dataset == "ml-100k" and os.path.exists(os.path.join(REPO, PINNED, "sids.npy")) else ""
+        pin = os.path.join(REPO, PINNED)                                  # (any working directory)
+        a.sids = pin if a.dataset == "ml-100k" and os.path.exists(os.path.join(pin, "sids.npy")) else ""
     if a.sids and not os.path.exists(os.path.join(a.sids, "sids.npy")):
         die(f"{os.path.join(a.sids, 'sids.npy')} not found; point --sids at a folder of 02's outputs, or '' to run 02")
     a.seeds = [int(s) for s in str(a.seeds).split(",") if s != ""]
@@ -161,14 +162,23 @@ def final_model(a, variant, seed):
 
 
 def plan_setup(a, tokenizer):
-    """rqvae: 01 and 02 in <out-root>/<dataset>; another tokenizer: 02 again in its own folder (01's files linked)."""
-    d, dev = tokenizer_dir(a, tokenizer), ["--device", a.device]
-    step02 = Step("02", "02_rqvae.py", ["--out-dir", d, *TOKENIZER_02[tokenizer], *dev], os.path.join(d, "02_rqvae.json"))
-    if tokenizer != "rqvae":
-        return [step02]
-    o = os.path.join(a.out_root, a.dataset)
-    return [Step("01", "01_embed_items.py", ["--dataset", a.dataset, "--out-dir", o], os.path.join(o, "dataset.pt")),
-            *([] if a.sids else [step02])]
+    """tokenizer None: 01 in <out-root>/<dataset>; else the tokenizer's 02 in its folder (none for RQ-VAE with
+    --sids: the pinned 02 files are linked in by stage_tokenizer)."""
+    o, d, dev = os.path.join(a.out_root, a.dataset), tokenizer and tokenizer_dir(a, tokenizer), ["--device", a.device]
+    if tokenizer is None:
+        return [Step("01", "01_embed_items.py", ["--dataset", a.dataset, "--out-dir", o], os.path.join(o, "dataset.pt"))]
+    if tokenizer == "rqvae" and a.sids:
+        return []
+    return [Step("02", "02_rqvae.py", ["--out-dir", d, *TOKENIZER_02[tokenizer], *dev], os.path.join(d, "02_rqvae.json"))]
+
+
+def stage_tokenizer(a, tokenizer):
+    """A tokenizer folder other than <out-root>/<dataset>: 01's files linked in, and for RQ-VAE --sids' 02 files."""
+    o, d = os.path.join(a.out_root, a.dataset), tokenizer_dir(a, tokenizer)
+    if d != o:
+        link_artifacts(o, d, ("dataset.pt", "item_emb.npy", "01_embed_items.json"))
+        if tokenizer == "rqvae":
+            link_artifacts(a.sids, d, ("sids.npy", "centroids.pt", "rqvae.pt", "02_rqvae.json"))
 
 
 def step03(run, v, seed, dev):
@@ -1075,15 +1085,11 @@ def main(argv=None):
         print(f"=== {a.dataset}: {len(a.variants)} variants x seeds {a.seeds}, device {a.device}"
               + (" (dry run: estimated CPU seconds on 2 idle cores)" if a.dry_run else ""))
         total, logs = 0.0, os.path.join(a.work_dir, a.dataset, "logs")
-        for t in sorted({VARIANTS[v].tokenizer for v in a.variants}, key=lambda t: t != "rqvae"):  # rqvae first
-            if t != "rqvae" and not a.dry_run:
-                link_artifacts(tokenizer_dir(a, "rqvae"), tokenizer_dir(a, t),
-                               ("dataset.pt", "item_emb.npy", "01_embed_items.json"))
+        total += execute(a, plan_setup(a, None), logs)                 # 01, then each tokenizer's 02 (rqvae first)
+        for t in sorted({VARIANTS[v].tokenizer for v in a.variants}, key=lambda t: t != "rqvae"):
+            if not a.dry_run:
+                stage_tokenizer(a, t)
             total += execute(a, plan_setup(a, t), logs)
-            if t == "rqvae" and a.sids and not a.dry_run:                 # 01's files + the pinned 02 files
-                link_artifacts(os.path.join(a.out_root, a.dataset), tokenizer_dir(a, t),
-                               ("dataset.pt", "item_emb.npy", "01_embed_items.json"))
-                link_artifacts(a.sids, tokenizer_dir(a, t), ("sids.npy", "centroids.pt", "rqvae.pt", "02_rqvae.json"))
         for seed in a.seeds:                                           # seed-major: one seed of everything first
             for init in dict.fromkeys(VARIANTS[v].init for v in a.variants if VARIANTS[v].cpt):
                 print(f"--- CPT chain {init} seed {seed}")
