@@ -24,9 +24,11 @@ def test_variants_table():
         "rqk-centroid", "rqk-shuffled"} == set(study.DEFAULT_VARIANTS) == {
             n for n, v in V.items() if not v.cpt and v.softmax == "level" and v.scale != "plain"}
     assert {n: (v.init, v.scale) for n, v in V.items() if v.scale == "plain"} == {
-        "centroid-plain": ("centroid", "plain"), "shuffled-plain": ("shuffled", "plain")}   # Algorithm 1, not default
+        "centroid-plain": ("centroid", "plain"), "shuffled-plain": ("shuffled", "plain"),
+        "centroid-plain-full": ("centroid", "plain")}                                     # Algorithm 1, not default
     assert {n: (v.init, v.gti) for n, v in V.items() if v.softmax == "full"} == {
-        "mean-full": ("mean", False), "mean+gti-full": ("mean", True)}          # the papers' loss, not by default
+        "mean-full": ("mean", False), "mean+gti-full": ("mean", True), "random-full": ("random", False),
+        "centroid-plain-full": ("centroid", False)}                           # the papers' loss, not by default
     assert {n: v.cpt for n, v in V.items() if v.cpt} == {"random+cpt2": 2, "random+cpt8": 8, "centroid+cpt1": 1,
                                                          "centroid+cpt2": 2}
     assert all(v.cpt in study.CPT_EPOCHS[v.init] and v.tokenizer == "rqvae" for v in V.values() if v.cpt)
@@ -220,7 +222,7 @@ def test_report_on_constructed_runs(constructed):
     assert claims["centroid vs random: SFT steps to the same validation loss"][2].startswith("+132.0 [+132.0, +132.0]")
     collapse = claims["GTI: mean init collapses the SID rows, low-rank after SFT"]          # 1 - 2/10 >= .5 on the
     assert collapse[3] == "reproduced (provisional, 1 seed)"                                 # one common seed
-    assert "moved (rms/spread of the init's rows): mean (sft) inf, mean+gti (sft) 0.60" in collapse[2]
+    assert "moved (rms/spread of the init's rows): mean (sft) all (its init rows are one point), mean+gti (sft) 0.60" in collapse[2]
     axis = claims["random init drifts to a popularity axis (Thm 3.1)"]            # |rho| .6 [.35, .85] >= .2, > .15
     assert axis[3] == "reproduced" and axis[2].startswith("abs(Spearman) of token frequency with PC1 of dE (random")
     assert "+0.600 [+0.352, +0.848] over seeds 0,1,2 (threshold 0.2" in axis[2]
