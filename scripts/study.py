@@ -635,7 +635,8 @@ def gate(sides):
         if not xs or None in xs:
             return f"{label}: movement not measured", "not testable: movement not measured"
         lo = seed_low(xs)
-        text.append(f"{label} " + ("all (its init rows are one point)" if np.isinf(np.mean(xs)) else f"{np.mean(xs):.2f}")
+        m = np.mean(xs)                                   # inf: mean init, every row's place is training's
+        text.append(f"{label} " + ("all (its init rows are one point)" if np.isinf(m) else f"{m:.2f}")
                     + (f" (low end {lo:.2f})" if len(xs) > 1 and np.isfinite(lo) else ""))
         why = why or (f"not testable at this budget (rms/spread {lo:.2f} < {MOVED})" if lo < MOVED else None)
     return "moved (rms/spread of the init's rows): " + ", ".join(text), why
@@ -698,8 +699,8 @@ def pairs(variants):
     ref = {"rqvae": "random", "rqkmeans": "rqk-random"}
     out = [(v, ref[VARIANTS[v].tokenizer]) for v in variants
            if v not in ref.values() and VARIANTS[v].softmax == "level"]
-    out += [("mean+gti", "mean"), ("mean+gti-full", "mean-full"), ("centroid-plain-full", "random-full"), ("mean+aux", "mean"), ("mean+gti", "mean+aux"),
-            ("centroid", "shuffled"),
+    out += [("mean+gti", "mean"), ("mean+gti-full", "mean-full"), ("centroid-plain-full", "random-full"),
+            ("mean+aux", "mean"), ("mean+gti", "mean+aux"), ("centroid", "shuffled"),
             ("rqk-centroid", "rqk-shuffled"), ("centroid+gti", "centroid"), ("rqk-random", "random"),
             ("rqk-centroid", "centroid"), ("centroid+cpt1", "centroid"), ("centroid+cpt1", "random+cpt2"),
             ("centroid+cpt1", "random+cpt8"), ("centroid+cpt2", "random+cpt8")]

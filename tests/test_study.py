@@ -222,7 +222,8 @@ def test_report_on_constructed_runs(constructed):
     assert claims["centroid vs random: SFT steps to the same validation loss"][2].startswith("+132.0 [+132.0, +132.0]")
     collapse = claims["GTI: mean init collapses the SID rows, low-rank after SFT"]          # 1 - 2/10 >= .5 on the
     assert collapse[3] == "reproduced (provisional, 1 seed)"                                 # one common seed
-    assert "moved (rms/spread of the init's rows): mean (sft) all (its init rows are one point), mean+gti (sft) 0.60" in collapse[2]
+    assert ("moved (rms/spread of the init's rows): mean (sft) all (its init rows are one point), "
+            "mean+gti (sft) 0.60") in collapse[2]
     axis = claims["random init drifts to a popularity axis (Thm 3.1)"]            # |rho| .6 [.35, .85] >= .2, > .15
     assert axis[3] == "reproduced" and axis[2].startswith("abs(Spearman) of token frequency with PC1 of dE (random")
     assert "+0.600 [+0.352, +0.848] over seeds 0,1,2 (threshold 0.2" in axis[2]
