@@ -20,8 +20,8 @@ GTI+: python 04_ground.py --model out/ml-100k/models/mean --epochs 30 --plateau 
 Reads:  <model> (03's folder, default <out-dir>/models/centroid), <out-dir>/dataset.pt
 Writes: <save> (default <model>+gti; --train all: <model>+cpt<E>): model, tokenizer, sid_vocab.json,
         04_ground.json (--epochs: + holdout_curve [[epoch, step, [acc per level]]], stopped_epoch
-        (null: ran to E), epochs_done, steps_done); --train all --epochs E also <model>+cpt<e> and
-        <save>.resume.pt after every epoch e < E (--resume continues from it; the finished run removes it)
+        (null: ran to E), epochs_done, steps_done); --epochs E also <save>.resume.pt after every epoch
+        e < E (--resume continues from it; the finished run removes it), --train all also <model>+cpt<e>
 CPU:  python 04_ground.py --model out/ml-100k/models/centroid
 GPU:  python 04_ground.py --device cuda --steps 2000 --batch-size 64       (the same default model)
 CPT:  python 04_ground.py --model out/ml-100k/models/random --train all --epochs 4  (+cpt1..+cpt4)
@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-text-tokens", type=pos_int, default=48, help="truncate item texts")
     p.add_argument("--log-every", type=pos_int, default=25, help="steps per log line")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=False,
-                   help="--train all: continue from <save>.resume.pt (written after every epoch)")
+                   help="--epochs: continue from <save>.resume.pt (written after every epoch)")
     add_device_flags(p, "auto: bf16 on CUDA and on CPUs with native bf16")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds random, numpy and torch; the held-out split and the batch order")
@@ -182,8 +182,6 @@ def main(argv=None):
     args.save = args.save or args.model.rstrip("/") + ("+gti" if rows else f"+cpt{args.epochs}")
     if not 0 <= args.holdout_frac < 1:
         die(f"--holdout-frac {args.holdout_frac}: must be in [0, 1)")
-    if args.resume and rows:
-        die("--resume: only --train all writes a resume state; rerun without --resume")
     seed_everything(args.seed)
     device = pick_device(args.device)
     ctx, dtype_note = pick_autocast(args.dtype, device)
@@ -237,7 +235,7 @@ def main(argv=None):
         opt, lambda s: (s + 1) / w if s < w else (cosine(s) if rows else 1.0))
     order, pos, curve, first, run, state = [], 0, [], 1, (0.0, 0.0, 0.0), {}
     if args.resume:                              # saved at an epoch's end: the next step reshuffles
-        state = load_pt(ckpt, "04 --train all writes it after every epoch; run without --resume")
+        state = load_pt(ckpt, "04 --epochs E writes it after every epoch; run without --resume")
         diff = [k for k in key if state["key"].get(k) != key[k]]
         if diff:
             die(f"--resume: {ckpt} was written with other arguments ({', '.join(diff)}); use the "
@@ -288,16 +286,17 @@ def main(argv=None):
                   f"{sched.get_last_lr()[0]:.2e} | {1000 * (time.time() - t_int) / k:.0f} ms/step",
                   flush=True)
             (run_loss, run_hit, run_n), t_int = (0.0, 0.0, 0.0), time.time()
-        if not rows and end and step < args.steps:             # CPT: a folder after every epoch
+        if end and step < args.steps and not stop:             # an epoch's end: the resume state
             info = {"train": "all", "epoch": e, "step": step, "holdout_curve": hcurve, "args": vars(args)}
             dst = f"{args.model.rstrip('/')}+cpt{e}"
-            save_folder(dst, model, tok, {**files, "04_ground.json": json.dumps(info, indent=2)})
+            if not rows:                                        # CPT: a folder after every epoch
+                save_folder(dst, model, tok, {**files, "04_ground.json": json.dumps(info, indent=2)})
             ck = {"step": step, "opt": opt.state_dict(), "sched": sched.state_dict(),
                   "g": g.get_state(), "curve": curve, "s": time.time() - t_loop,
                   "run": (run_loss, run_hit, run_n), "model": model.state_dict(),
                   "rng": torch.get_rng_state(), "acc_before": acc["before"], "key": key, "hcurve": hcurve}
             atomic_write(ckpt, lambda t: torch.save(ck, t))    # --resume continues from here
-            print(f"epoch {e}: saved {dst} and {ckpt}", flush=True)
+            print(f"epoch {e}: " + (f"wrote {ckpt}" if rows else f"saved {dst} and {ckpt}"), flush=True)
         if stop:
             break
     train_s = time.time() - t_loop

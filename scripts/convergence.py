@@ -151,9 +151,10 @@ def build_base(init, pinned_sha):
             *flags], log)
     if init == "mean+gti2" and not os.path.exists(f"{base}/models/{init}/sid_vocab.json"):
         rows = f"{BASE}/models/mean+gti2-rows"          # stage 1: the new rows, until held-out accuracy stalls
-        if not os.path.exists(f"{REPO}/{rows}/04_ground.json"):
+        if not os.path.exists(f"{REPO}/{rows}/04_ground.json"):      # a killed piece resumes at its last epoch
+            resume = ["--resume"] if os.path.exists(f"{REPO}/{rows}.resume.pt") else []
             sh(["04_ground.py", "--out-dir", BASE, "--model", f"{BASE}/models/mean", "--save", rows,
-                "--epochs", str(GTI2_EPOCHS), "--plateau", str(GTI2_PLATEAU)], log)
+                "--epochs", str(GTI2_EPOCHS), "--plateau", str(GTI2_PLATEAU), *resume], log)
         passes = json.load(open(f"{REPO}/{rows}/04_ground.json"))["epochs_done"]
         resume = ["--resume"] if os.path.exists(f"{base}/models/{init}.resume.pt") else []
         sh(["04_ground.py", "--out-dir", BASE, "--model", rows, "--train", "all", "--epochs", str(passes),

@@ -173,48 +173,60 @@ class Killed(Exception):
     pass
 
 
-def test_cpt_resumes_from_a_saved_epoch(synthetic_out, tiny_model, tmp_path, monkeypatch):
-    """A CPT run killed while saving epoch 2 continues with --resume from its epoch-1 state to the same
-    weights, loss curve and accuracies as the run that was not killed (in-process, so the kill is exact);
-    --resume with other arguments, with nothing to resume, or with --train rows is one line."""
+@pytest.mark.parametrize("train", ["all", "rows"])
+def test_killed_run_resumes_from_a_saved_epoch(synthetic_out, tiny_model, tmp_path, monkeypatch, train):
+    """A run killed at epoch 2 (CPT: while saving +cpt2; GTI: while writing the epoch-2 resume state) continues
+    with --resume from its epoch-1 state to the same weights, loss curve and accuracies as the run that was not
+    killed (in-process, so the kill is exact); --resume with other arguments or with nothing to resume is one line."""
     run("03_expand_vocab.py", "--out-dir", synthetic_out, "--model", tiny_model, "--init", "random")
     ref, killed = (os.path.join(tmp_path, n) for n in ("ref", "killed"))
     for dst in (ref, killed):
         shutil.copytree(os.path.join(synthetic_out, "models", "random"), dst)
-    flags = ["--out-dir", synthetic_out, "--train", "all", "--epochs", "3",
+    flags = ["--out-dir", synthetic_out, "--train", train, "--epochs", "3",
              "--batch-size", "8", "--lr", "3e-3", "--warmup", "2", "--log-every", "3", "--max-eval", "8",
              "--device", "cpu"]                                  # 13 steps an epoch: it ends inside a log interval
+    end = "+cpt3" if train == "all" else "+gti"                  # the finished run's folder
 
-    def main(model, *extra, kill_at=None):
+    def main(model, *extra, kill=False):
         mod = load_script("04_ground.py")
-        if kill_at:
+        if kill and train == "all":
             def save_folder(dst, *a):
-                if dst.endswith(kill_at):
+                if dst.endswith("+cpt2"):
                     raise Killed(dst)
                 real(dst, *a)
             real = mod.save_folder
             monkeypatch.setattr(mod, "save_folder", save_folder)
+        if kill and train == "rows":
+            writes = []
+
+            def atomic_write(path, *a):
+                writes.extend([path] if path.endswith(".resume.pt") else [])
+                if len(writes) == 2:
+                    raise Killed(path)
+                real(path, *a)
+            real = mod.atomic_write
+            monkeypatch.setattr(mod, "atomic_write", atomic_write)
         mod.main(["--model", model, *flags, *extra])
 
     main(ref)
-    assert not os.path.exists(ref + "+cpt3.resume.pt")          # a finished run removes it
+    assert not os.path.exists(ref + end + ".resume.pt")          # a finished run removes it
     with pytest.raises(Killed):
-        main(killed, kill_at="+cpt2")
-    assert os.path.isdir(killed + "+cpt1") and not os.path.exists(killed + "+cpt3")
-    assert os.path.exists(killed + "+cpt3.resume.pt")
-    for extra, words in ((["--lr", "1e-3"], "other arguments (lr)"), (["--train", "rows"], "only --train all")):
-        err = assert_one_line_error(run("04_ground.py", "--model", killed, *flags, *extra, "--resume", check=False))
-        assert words in err, err
+        main(killed, kill=True)
+    assert not os.path.exists(killed + end) and os.path.exists(killed + end + ".resume.pt")
+    assert os.path.isdir(killed + "+cpt1") == (train == "all")   # GTI writes no epoch folders
+    err = assert_one_line_error(run("04_ground.py", "--model", killed, *flags, "--lr", "1e-3", "--resume", check=False))
+    assert "other arguments (lr)" in err, err
     err = assert_one_line_error(run("04_ground.py", "--model", ref, *flags, "--resume", check=False))
     assert "resume.pt not found" in err, err
     main(killed, "--resume")
-    assert not os.path.exists(killed + "+cpt3.resume.pt")
-    for e in (2, 3):
-        a, b = params(f"{ref}+cpt{e}"), params(f"{killed}+cpt{e}")
+    assert not os.path.exists(killed + end + ".resume.pt")
+    for folder in ([end] if train == "rows" else ["+cpt2", end]):
+        a, b = params(ref + folder), params(killed + folder)
         assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
-    ra, rb = (json.load(open(os.path.join(f"{m}+cpt3", "04_ground.json"))) for m in (ref, killed))
+    ra, rb = (json.load(open(os.path.join(m + end, "04_ground.json"))) for m in (ref, killed))
     for k in ("loss_curve", "before", "after", "new_row_shift", "held_out_acc_after", "holdout_curve"):
         assert ra[k] == rb[k], k
+    assert ra["pretrained_rows_unchanged"] is True or train == "all"
 
 
 def first_stop(g, accs, patience):

@@ -354,8 +354,9 @@ def test_schedule_scales_the_aux_runs_to_the_same_windows():
 
 
 def test_two_stage_gti_base(tmp_path, monkeypatch):
-    """Two-stage GTI: 04 grounds the rows with the plateau rule, then trains every parameter for as many passes as
-    the first stage ran; the first stage's per-epoch CPT folders are removed; nothing reruns once built."""
+    """Two-stage GTI: 04 grounds the rows with the plateau rule (resuming a killed piece), then trains every parameter
+    for as many passes as the first stage ran; the first stage's per-epoch CPT folders are removed; nothing reruns
+    once built."""
     monkeypatch.setattr(conv, "REPO", str(tmp_path))
     fake_make_run(tmp_path, np.zeros((5, 4), np.int64))
     calls, models = [], tmp_path / conv.BASE / "models"
@@ -369,10 +370,13 @@ def test_two_stage_gti_base(tmp_path, monkeypatch):
             (tmp_path / save / "04_ground.json").write_text(json.dumps({"epochs_done": 7}))
         if "--train" in cmd:
             (tmp_path / f"{cmd[cmd.index('--model') + 1]}+cpt3").mkdir()
+        if cmd[0] == "03_expand_vocab.py":                          # stage 1 was killed after an epoch
+            (models / "mean+gti2-rows.resume.pt").write_bytes(b"")
     monkeypatch.setattr(conv, "sh", fake_sh)
     conv.build_base("mean+gti2", conv.pin_tokenizer())
     stage1, stage2 = calls[1], calls[2]
     assert stage1[stage1.index("--model") + 1].endswith("models/mean") and "--plateau" in stage1
+    assert "--resume" in stage1
     assert stage2[stage2.index("--train") + 1] == "all" and stage2[stage2.index("--epochs") + 1] == "7"
     assert stage2[stage2.index("--model") + 1].endswith("mean+gti2-rows") and "--resume" not in stage2
     assert (models / "mean+gti2").is_dir() and not (models / "mean+gti2-rows+cpt3").exists()
