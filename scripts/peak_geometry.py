@@ -21,7 +21,7 @@ import numpy as np
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from common import atomic_write, die, load_step  # noqa: E402
 from convergence import BASE, OUT, RECORDS, TOKENIZER, sha, stage_base  # noqa: E402
-from study import MOVED, REPO, axis_verdict, gate, geometry_row, moved  # noqa: E402
+from study import MOVED, REPO, axis_verdict, gate, geometry_row, moved, seed_list  # noqa: E402
 
 diag = load_step("07_diagnose")
 STAGE = "peak"
@@ -63,7 +63,7 @@ def level_axis_row(res, a_, what):
                                                                                 for p in per]
     iv, v = axis_verdict(rho, q95, t)
     return (f"mean over the code levels of abs(Spearman) of token frequency with PC1 of the level's dE: {iv} over "
-            f"seeds {','.join(map(str, ds))} (threshold {t}; null q95 <= {max(q95):.3f}); {move}", why or v)
+            f"{seed_list(ds)} (threshold {t}; null q95 <= {max(q95):.3f}); {move}", why or v)
 
 
 def load_data():

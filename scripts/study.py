@@ -801,6 +801,11 @@ def axis_verdict(rho, q95, t):
         r > q for r, q in zip(rho, q95)) else v
 
 
+def seed_list(seeds):
+    """'seed 0' or 'seeds 0,1,2': the seeds a figure is read over."""
+    return f"seed{'s' * (len(seeds) > 1)} {','.join(map(str, seeds))}"
+
+
 def geometry_row(res, cpt, kind, a_, b_, what):
     """A geometry claim: the per-seed effect over the seeds both sides have, judged on its seed interval, only where
     every trained side moved (gate). kind "geometry": runs (what: key, stage a, stage b, form, t); "cpt_geometry":
@@ -808,7 +813,6 @@ def geometry_row(res, cpt, kind, a_, b_, what):
     chain = kind.startswith("cpt_")
     side = lambda v, st: chain_diags(cpt, v, st) if chain else (run_diags(res, v, st), st)  # noqa: E731
     label = lambda v, st: f"{v} after {st} CPT epochs" if chain else f"{v} ({st})"  # noqa: E731
-    seeds = lambda xs: f"seed{'s' * (len(xs) > 1)} {','.join(map(str, xs))}"  # noqa: E731
     if kind.endswith("axis"):
         (ds, st), t = side(a_, what[0]), what[1]
         if not ds or (chain and not st):
@@ -820,7 +824,7 @@ def geometry_row(res, cpt, kind, a_, b_, what):
             return move, why or "not testable: dE is one shift of every row (no PC1)"
         iv, v = axis_verdict(rho, q95, t)
         return (f"abs(Spearman) of token frequency with PC1 of dE ({label(a_, st)} - its init): {iv} over "
-                f"{seeds(list(ds))} (threshold {t}; permutation null q95 <= {max(q95):.3f}); {move}", why or v)
+                f"{seed_list(ds)} (threshold {t}; permutation null q95 <= {max(q95):.3f}); {move}", why or v)
     key, sa, sb, form, t = what
     (da, sa), (db, sb) = side(a_, sa), side(b_, sb)
     both = sorted(set(da) & set(db))
@@ -832,7 +836,7 @@ def geometry_row(res, cpt, kind, a_, b_, what):
     move, why = gate({label(v_, st): {s: d[s] for s in both} for v_, d, st in ((a_, da, sa), (b_, db, sb))
                       if st not in ("init", 0)})
     return (f"{key}: {label(a_, sa)} {np.mean(xa):.3f}, {label(b_, sb)} {np.mean(xb):.3f} (mean over "
-            f"{seeds(both)}); effect {'1 - a / b' if form == 'ratio' else 'a - b'} = {iv} (threshold {t}); {move}",
+            f"{seed_list(both)}); effect {'1 - a / b' if form == 'ratio' else 'a - b'} = {iv} (threshold {t}); {move}",
             why or v)
 
 
