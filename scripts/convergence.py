@@ -17,7 +17,8 @@ with the next checkpoint, <save>.ranks.json):
     mean+aux-full-sN   mean init + LC-Rec's auxiliary text <-> SID rows in 05 (05's default mix by tokens)
     mean+gti2-full-sN  GTI as the paper runs it, in proportion: 04 grounds the rows until held-out accuracy
                        stops rising, then unfreezes every parameter for as many passes (two-stage GTI)
-The grounded folders are built once (04's seed 0); a run's seed sets 05's example order and validation users.
+03's folders and the grounded ones are built once (seed 0): a run's seed sets 05's example order and validation
+users, not its init rows.
 
     python scripts/convergence.py --dry-run           # the plan and its CPU-time estimate
     python scripts/convergence.py --runs ceiling      # one piece (1-2.5 h on 2 CPU cores at 3 epochs)

@@ -163,7 +163,8 @@ def main():
         f"{MOVED} x the init rows' spread, on the seeds' interval (scripts/study.py's rule; mean init has no spread, "
         "so all its rows' geometry is training's: inf). Thresholds are judged on the 95% t interval over seeds "
         "(one seed: provisional); the popularity axis is |Spearman| of token frequency with PC1 of the displacement, "
-        "against 1,000 shuffles of the frequencies.", "",
+        "against 1,000 shuffles of the frequencies. Every run of a kind starts from the same 03 (and 04) folder, built "
+        "once with seed 0: the seeds' interval is over 05's example order and validation users, not over inits.", "",
         "| run | best step | moved at the peak (rms/spread) | moved at each validation (rms/spread; mean init: rms) "
         "| effective rank init -> peak | RSA centroids | RSA codebook | pop abs(rho) PC1 of rows | PC1 of dE ~ freq "
         "abs(rho), all rows | the same within each level | purity@10 |",
