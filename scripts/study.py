@@ -432,9 +432,10 @@ def seed0_figures(a, res_variants):
             have = [(v, os.path.join(run_dir(a, v, 0), "slim", st)) for v in res_variants
                     if VARIANTS[v].tokenizer == tok]
             have = [(v, p) for v, p in have if os.path.exists(os.path.join(p, "model.safetensors"))]
-            if not have:
-                continue
             save = os.path.join(a.results_dir, f"{a.dataset}{'' if tok == 'rqvae' else '_' + tok}_{st}.json")
+            if not have:                  # no seed-0 folders on this machine: the committed figures, if any, stay
+                figs += [f"{os.path.splitext(save)[0]}_{k}.png" for k in ("cosine", "spectra", "popularity")]
+                continue
             old = json.load(open(save)) if os.path.exists(save) else {}
             if sorted(old.get("models", {})) != sorted(v for v, _ in have):   # redo only when the set changed
                 run_script("07_diagnose.py", ["--out-dir", tokenizer_dir(a, tok), "--models", ",".join(p for _, p in have),

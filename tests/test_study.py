@@ -612,3 +612,15 @@ def test_records_are_not_git_ignored():
     path = os.path.join(study.records_dir(a), "random-s0.json")
     r = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO)
     assert r.returncode == 1, f"{path} is git-ignored"
+
+
+def test_committed_figures_stay_listed_without_the_run_folders(tmp_path):
+    """The report rebuilt on a machine without the study's seed-0 folders lists the committed figures (07's per-stage
+    figures in results/) that exist, and no others."""
+    a = study.parse_args(["--work-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "res"),
+                          "--dataset", "toy"])
+    os.makedirs(a.results_dir)
+    for k in ("cosine", "spectra"):
+        open(os.path.join(a.results_dir, f"toy_sft_{k}.png"), "wb").close()
+    figs = study.seed0_figures(a, ["random", "centroid"])
+    assert [os.path.basename(f) for f in figs] == ["toy_sft_cosine.png", "toy_sft_spectra.png"]
