@@ -433,17 +433,15 @@ def seed0_figures(a, res_variants):
                     if VARIANTS[v].tokenizer == tok]
             have = [(v, p) for v, p in have if os.path.exists(os.path.join(p, "model.safetensors"))]
             save = os.path.join(a.results_dir, f"{a.dataset}{'' if tok == 'rqvae' else '_' + tok}_{st}.json")
-            if not have:                  # no seed-0 folders on this machine: the committed figures, if any, stay
-                figs += [f"{os.path.splitext(save)[0]}_{k}.png" for k in ("cosine", "spectra", "popularity")]
-                continue
-            old = json.load(open(save)) if os.path.exists(save) else {}
-            if sorted(old.get("models", {})) != sorted(v for v, _ in have):   # redo only when the set changed
-                run_script("07_diagnose.py", ["--out-dir", tokenizer_dir(a, tok), "--models", ",".join(p for _, p in have),
-                                              "--names", ",".join(v for v, _ in have), "--save", save,
-                                              "--device", a.device],
-                           os.path.join(a.work_dir, a.dataset, "logs", f"07_{tok}_{st}.log"))
-                run_script("scripts/figures.py", ["--diagnostics", save],
-                           os.path.join(a.work_dir, a.dataset, "logs", f"figures_{tok}_{st}.log"))
+            if have:                      # without seed-0 folders here, the committed figures, if any, stay
+                old = json.load(open(save)) if os.path.exists(save) else {}
+                if sorted(old.get("models", {})) != sorted(v for v, _ in have):   # redo only when the set changed
+                    run_script("07_diagnose.py", ["--out-dir", tokenizer_dir(a, tok), "--models", ",".join(p for _, p in have),
+                                                  "--names", ",".join(v for v, _ in have), "--save", save,
+                                                  "--device", a.device],
+                               os.path.join(a.work_dir, a.dataset, "logs", f"07_{tok}_{st}.log"))
+                    run_script("scripts/figures.py", ["--diagnostics", save],
+                               os.path.join(a.work_dir, a.dataset, "logs", f"figures_{tok}_{st}.log"))
             figs += [f"{os.path.splitext(save)[0]}_{k}.png" for k in ("cosine", "spectra", "popularity")]
     return [f for f in figs if os.path.exists(f)]
 
