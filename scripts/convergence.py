@@ -57,7 +57,7 @@ import torch
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
 from common import atomic_write  # noqa: E402
-from study import (BACKBONE, REPO, beats_popular, censored_verdict, ev, fmt_iv, joint_verdict,  # noqa: E402
+from study import (BACKBONE, REPO, T975, beats_popular, censored_verdict, ev, fmt_iv, joint_verdict,  # noqa: E402
                    link_artifacts, paired_ivs, sha, sid_rows)  # (ev = 06's metrics)
 from power import mde, pairs_needed  # noqa: E402
 OUT = "out/ml-100k"
@@ -362,10 +362,26 @@ def baseline_trains(b_users, pop_users):
     return ok, f"{b_users.mean():.4f} (most-popular {pop_users.mean():.4f}, {fmt_iv(d)})"
 
 
+SPREAD_FROM = ("mean+gti-full", "mean-full")   # the GTI pairs whose seed spread a one-pair GTI claim borrows
+
+
+def borrowed_interval(per_seed, metric, d):
+    """A claim with one seed pair has no seed spread of its own: borrow the spread of SPREAD_FROM's seed-pair
+    differences of the same metric (k >= 2 pairs, sd s). One pair's difference d then bounds the true difference by
+    d +- t(k-1, 97.5%) x s (a new draw from that spread). -> ([d, lo, hi], text), or None before k >= 2."""
+    a_, b_ = SPREAD_FROM
+    seeds = sorted(set(per_seed.get(a_, {})) & set(per_seed.get(b_, {})))
+    if len(seeds) < 2:
+        return None
+    s = float(np.std([per_seed[a_][k][metric].mean() - per_seed[b_][k][metric].mean() for k in seeds], ddof=1))
+    h = T975.get(len(seeds) - 1, 1.96) * s
+    return [d, d - h, d + h], f"; one seed pair, with {a_} - {b_}'s seed spread (sd {s:.4f}, {len(seeds)} pairs)"
+
+
 def gti_claim(per_seed, pop_users, a, b, metric, judged):
     """One GTI claim from {kind: {seed: per-user metrics}}: a - b over users (the seeds both ran, averaged per user;
-    paired bootstrap) and over seed pairs (t interval). A verdict only where b beats most-popular; with >= 2 seed
-    pairs both intervals must agree. -> (ours, b's Recall@10, verdict)."""
+    paired bootstrap) and over seed pairs (t interval; one pair: borrowed_interval). A verdict only where b beats
+    most-popular; both intervals must agree. -> (ours, b's Recall@10, verdict)."""
     if not per_seed.get(b):
         return "not run", "-", "not run yet"
     trained, b_text = baseline_trains(np.mean([m["recall@10"] for m in per_seed[b].values()], 0), pop_users)
@@ -383,7 +399,11 @@ def gti_claim(per_seed, pop_users, a, b, metric, judged):
         return ours, b_text, "shown beside"
     if not trained:
         return ours, b_text, "not testable: the baseline did not train"
-    v, overruled = joint_verdict(d, iv, len(sd))
+    pairs, borrowed = len(sd), len(sd) < 2 and borrowed_interval(per_seed, metric, d[0])
+    if borrowed:                                              # judged on another pair's spread, said so
+        (iv, text), pairs = borrowed, 2
+        ours += f"{text} {fmt_iv(iv)}"
+    v, overruled = joint_verdict(d, iv, pairs)
     return ours, b_text, v + (" (inside the seed spread)" if overruled else "")
 
 
@@ -443,9 +463,10 @@ def gti_report(recs, per, test, histories, pop):
     text = ["", "## The GTI claims at the peak (vocabulary softmax)", "",
             "Each run's best checkpoint by validation NDCG@10, test split, history excluded. a - b: paired bootstrap "
             "over users (95%), the seeds both ran averaged per user; with >= 2 seed pairs also the 95% t interval "
-            "over seed pairs, and both must agree. A row gets a verdict only where its baseline b beats most-popular "
-            "(Recall@10, paired bootstrap above 0); otherwise the test could not have come out against the claim: "
-            "not testable. Recall@5 and NDCG@5 are shown beside, as the paper reports them.", "",
+            "over seed pairs, and both must agree (a claim with one seed pair: its difference +- t x the seed spread "
+            f"of {SPREAD_FROM[0]} - {SPREAD_FROM[1]}'s pairs, once they are >= 2). A row gets a verdict only where "
+            "its baseline b beats most-popular (Recall@10, paired bootstrap above 0); otherwise the test could not "
+            "have come out against the claim: not testable. Recall@5 and NDCG@5 are shown beside, as the paper reports them.", "",
             "| claim | paper (Vibrent) | a - b (test) | b's Recall@10 vs most-popular | verdict |",
             "|---|---|---|---|---|"]
     for claim, paper, a, b, metric, judged in GTI_CLAIMS:

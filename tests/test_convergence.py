@@ -316,6 +316,12 @@ def test_gti_claim_needs_a_baseline_that_trains():
     assert conv.gti_claim(per, pop, "mean+gti-full", "mean-full", "recall@10", True)[2] == (
         "inconclusive (inside the seed spread)")
     assert conv.gti_claim(per, pop, "mean+gti-full", "mean-full", "recall@10", False)[2] == "shown beside"
+    per["mean+gti2-full"] = {0: better}                  # one pair, +0.25: judged on light GTI's spread (sd 0.175)
+    ours, _, v = conv.gti_claim(per, pop, "mean+gti2-full", "mean-full", "recall@10", True)
+    assert v == "inconclusive (inside the seed spread)" and "mean+gti-full - mean-full's seed spread (sd 0.1750" in ours
+    one_less = {"recall@10": better["recall@10"] - (np.arange(n) == 0)}   # light GTI +0.25, +0.2475: sd 0.0018
+    per["mean+gti-full"] = {0: better, 1: one_less}
+    assert conv.gti_claim(per, pop, "mean+gti2-full", "mean-full", "recall@10", True)[2] == "reproduced"
     assert conv.gti_claim({"mean-full": {0: strong}}, pop, "mean+gti-full", "mean-full", "recall@10", True)[2] == (
         "not run yet")
 
