@@ -58,7 +58,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.p
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
 from common import atomic_write  # noqa: E402
 from study import (BACKBONE, REPO, T975, beats_popular, censored_verdict, ev, fmt_iv, joint_verdict,  # noqa: E402
-                   link_artifacts, paired_ivs, sha, sid_rows)  # (ev = 06's metrics)
+                   link_artifacts, paired_ivs, seed_diffs, sha, sid_rows)  # (ev = 06's metrics)
 from power import mde, pairs_needed  # noqa: E402
 OUT = "out/ml-100k"
 TOKENIZER = "results/convergence/tokenizer"  # 02's outputs every run trains on, committed
@@ -369,13 +369,20 @@ def borrowed_interval(per_seed, metric, d):
     """A claim with one seed pair has no seed spread of its own: borrow the spread of SPREAD_FROM's seed-pair
     differences of the same metric (k >= 2 pairs, sd s). One pair's difference d then bounds the true difference by
     d +- t(k-1, 97.5%) x s (a new draw from that spread). -> ([d, lo, hi], text), or None before k >= 2."""
-    a_, b_ = SPREAD_FROM
-    seeds = sorted(set(per_seed.get(a_, {})) & set(per_seed.get(b_, {})))
-    if len(seeds) < 2:
+    if not all(per_seed.get(k) for k in SPREAD_FROM):
         return None
-    s = float(np.std([per_seed[a_][k][metric].mean() - per_seed[b_][k][metric].mean() for k in seeds], ddof=1))
-    h = T975.get(len(seeds) - 1, 1.96) * s
-    return [d, d - h, d + h], f"; one seed pair, with {a_} - {b_}'s seed spread (sd {s:.4f}, {len(seeds)} pairs)"
+    diffs = seed_diffs(*study_form(per_seed, SPREAD_FROM).values(), "all", metric)
+    if len(diffs) < 2:
+        return None
+    s = float(np.std(diffs, ddof=1))
+    h = T975.get(len(diffs) - 1, 1.96) * s
+    return [d, d - h, d + h], (f"; one seed pair, with {SPREAD_FROM[0]} - {SPREAD_FROM[1]}'s seed spread "
+                               f"(sd {s:.4f}, {len(diffs)} pairs)")
+
+
+def study_form(per_seed, kinds):
+    """{kind: {seed: per-user metrics}} -> study.py's {kind: {"users_by_seed": {seed: {"all": metrics}}}}."""
+    return {k: {"users_by_seed": {s: {"all": m} for s, m in per_seed[k].items()}} for k in kinds}
 
 
 def gti_claim(per_seed, pop_users, a, b, metric, judged):
@@ -390,7 +397,7 @@ def gti_claim(per_seed, pop_users, a, b, metric, judged):
     common = sorted(set(per_seed[a]) & set(per_seed[b]))
     if not common:
         return "no common seed", b_text, "not run yet"
-    pu = {k: {"users_by_seed": {s: {"all": m} for s, m in per_seed[k].items()}} for k in (a, b)}   # study's form
+    pu = study_form(per_seed, (a, b))
     d, iv, sd, _, y, _ = paired_ivs(pu, a, b, "all", metric)                   # pooled over the common seeds
     rel = f" ({100 * d[0] / y.mean():+.1f}%)" if y.mean() > 0 else ""
     ours = f"{fmt_iv(d)}{rel}, seeds {','.join(map(str, common))}" + (f"; per seed pair {fmt_iv(iv)}"
@@ -466,7 +473,8 @@ def gti_report(recs, per, test, histories, pop):
             "over seed pairs, and both must agree (a claim with one seed pair: its difference +- t x the seed spread "
             f"of {SPREAD_FROM[0]} - {SPREAD_FROM[1]}'s pairs, once they are >= 2). A row gets a verdict only where "
             "its baseline b beats most-popular (Recall@10, paired bootstrap above 0); otherwise the test could not "
-            "have come out against the claim: not testable. Recall@5 and NDCG@5 are shown beside, as the paper reports them.", "",
+            "have come out against the claim: not testable. Recall@5 and NDCG@5 are shown beside, as the paper "
+            "reports them.", "",
             "| claim | paper (Vibrent) | a - b (test) | b's Recall@10 vs most-popular | verdict |",
             "|---|---|---|---|---|"]
     for claim, paper, a, b, metric, judged in GTI_CLAIMS:
