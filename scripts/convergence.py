@@ -436,14 +436,13 @@ def gti_power(per_seed, planned=2, paper=0.2203):
     MDE with `planned` pairs, and the pairs needed for the paper's Recall@10 gain (+22.03%) on mean-full's Recall@10.
     -> a markdown line, or None before two centroid/random seed pairs and mean-full exist. Once mean+gti-full and
     mean-full share >= 3 seeds, their own spread replaces centroid - random's."""
-    diffs = lambda a_, b_, seeds: [per_seed[a_][s]["recall@10"].mean() - per_seed[b_][s]["recall@10"].mean()  # noqa: E731
-                                   for s in seeds]
     gti = sorted(set(per_seed.get("mean+gti-full", {})) & set(per_seed.get("mean-full", {})))
     both = sorted(set(per_seed.get("centroid", {})) & set(per_seed.get("random", {})))
     own = len(gti) >= 3                                               # the GTI pairs' own spread
     if not own and (len(both) < 2 or not per_seed.get("mean-full")):
         return None
-    d = diffs("mean+gti-full", "mean-full", gti) if own else diffs("centroid", "random", both)
+    d = seed_diffs(*study_form(per_seed, ("mean+gti-full", "mean-full") if own else ("centroid", "random")).values(),
+                   "all", "recall@10")                              # over the seeds both ran
     k, sd = len(d), float(np.std(d, ddof=1))
     effect = paper * np.mean([m["recall@10"].mean() for m in per_seed["mean-full"].values()])
     if own:
