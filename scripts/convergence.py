@@ -56,7 +56,7 @@ import torch
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
-from common import atomic_write  # noqa: E402
+from common import atomic_write, load_json, load_npy  # noqa: E402
 from study import (BACKBONE, REPO, T975, beats_popular, censored_verdict, ev, fmt_iv, joint_verdict,  # noqa: E402
                    link_artifacts, paired_ivs, seed_diffs, sha, sid_rows)  # (ev = 06's metrics)
 from power import mde, pairs_needed  # noqa: E402
@@ -156,7 +156,7 @@ def build_base(init, pinned_sha):
             resume = ["--resume"] if os.path.exists(f"{REPO}/{rows}.resume.pt") else []
             sh(["04_ground.py", "--out-dir", BASE, "--model", f"{BASE}/models/mean", "--save", rows,
                 "--epochs", str(GTI2_EPOCHS), "--plateau", str(GTI2_PLATEAU), *resume], log)
-        passes = json.load(open(f"{REPO}/{rows}/04_ground.json"))["epochs_done"]
+        passes = load_json(f"{REPO}/{rows}/04_ground.json", f"delete {rows} and rerun")["epochs_done"]
         resume = ["--resume"] if os.path.exists(f"{base}/models/{init}.resume.pt") else []
         sh(["04_ground.py", "--out-dir", BASE, "--model", rows, "--train", "all", "--epochs", str(passes),
             "--save", f"{BASE}/models/{init}", *resume], log)           # stage 2: every parameter, as many passes
@@ -182,16 +182,16 @@ def rank_checkpoints(a, save, log):
     each model 05 kept, in step order, until the patience rule stops the run. Each result goes into
     <save>.ranks.json as it comes. -> {rank_curve, best_step, stopped_at, rank_seconds}."""
     steps = sorted(int(d[5:]) for d in os.listdir(f"{REPO}/{save}.checkpoints") if d.startswith("step_"))
-    total = json.load(open(f"{REPO}/{save}/05_sft.json"))["steps"]
+    total = load_json(f"{REPO}/{save}/05_sft.json", f"delete {save} and rerun")["steps"]
     path = f"{REPO}/{save}.ranks.json"
-    done = json.load(open(path)) if os.path.exists(path) else {}      # step -> [Recall@10, NDCG@10, seconds]
+    done = load_json(path, "delete it and rerun") if os.path.exists(path) else {}   # step -> [R@10, NDCG@10, s]
     curve = []
     for step in steps:
         if str(step) not in done:
             t, ck = time.time(), f"{save}.checkpoints/step_{step}"
             sh(["06_eval.py", "--out-dir", BASE, "--model", ck, "--split", "valid", "--protocol", "excluded",
                 "--beam", "20", "--users", str(a.rank_users)], log)
-            m = json.load(open(f"{REPO}/{ck}/eval_valid.json"))["model"]
+            m = load_json(f"{REPO}/{ck}/eval_valid.json", "rerun: 06 ranks it again")["model"]
             done[str(step)] = [round(m["recall@10"], 5), round(m["ndcg@10"], 5), time.time() - t]
             atomic_write(path, lambda p: open(p, "w").write(json.dumps(done)))
         curve.append([step, *done[str(step)][:2]])
@@ -206,8 +206,8 @@ def write_record(name, kind, seed, run_dir, best_dir, ranked):
     """Keep what the reports need from a finished run (a few kB + one (users, 20) int32 array + the SID rows): 05's
     counts and seconds from run_dir, the test metrics and lists of the chosen checkpoint best_dir, the ranking
     (rank_checkpoints), and the SID rows of every ranked checkpoint (step 0 = the init) when they are there."""
-    j, t = json.load(open(f"{run_dir}/05_sft.json")), json.load(open(f"{best_dir}/eval_test.json"))
-    topk = np.load(f"{best_dir}/eval_test_topk.npy", allow_pickle=False).astype(np.int32)
+    j, t = load_json(f"{run_dir}/05_sft.json", "rerun this run"), load_json(f"{best_dir}/eval_test.json", "rerun")
+    topk = load_npy(f"{best_dir}/eval_test_topk.npy", "rerun this run").astype(np.int32)
     rec = {"run": name, "kind": kind, "init": KINDS[kind][0], "flags": KINDS[kind][1], "seed": seed,
            "sids_sha256": sha(f"{REPO}/{TOKENIZER}/sids.npy"), "test": t["model"],
            "steps_per_epoch": (j["examples"] + j["aux_examples"]) / (j["batch_size"] * j["grad_accum"]),
@@ -229,11 +229,10 @@ def read_record(name, n_users):
     """The run's record and its ranked test lists, or None when the run has not finished."""
     if not os.path.exists(record_path(name)):
         return None
-    rec = json.load(open(record_path(name)))
-    topk = np.load(record_path(name, "_test_topk.npy"), allow_pickle=False)
+    redo = f"delete {RECORDS}/{name}* and rerun `python scripts/convergence.py --runs {name}`"
+    rec, topk = load_json(record_path(name), redo), load_npy(record_path(name, "_test_topk.npy"), redo)
     if topk.shape[0] != n_users:
-        sys.exit(f"error: {RECORDS}/{name}_test_topk.npy has {topk.shape[0]} users, dataset.pt "
-                 f"{n_users}; delete the record and rerun `python scripts/convergence.py --runs {name}`")
+        sys.exit(f"error: {RECORDS}/{name}_test_topk.npy has {topk.shape[0]} users, dataset.pt {n_users}; {redo}")
     return rec, topk.astype(np.int64)
 
 
@@ -241,7 +240,7 @@ def run_one(a, name, kind, seed):
     init, flags = KINDS[kind]
     pinned = pin_tokenizer()
     if os.path.exists(record_path(name)):
-        old = json.load(open(record_path(name))).get("sids_sha256", "not recorded")
+        old = load_json(record_path(name), f"delete {RECORDS}/{name}* and rerun").get("sids_sha256", "not recorded")
         if old == pinned:
             return                                       # finished here or on another machine
         print(f"{RECORDS}/{name}.json trained on other SIDs ({old}, pinned {pinned}): rerunning", flush=True)
@@ -493,7 +492,7 @@ def report(a, runs):
     valid, test = data["valid"].numpy(), data["test"].numpy()
     pop, train = data["popularity"].numpy(), data["train"]
     pop_val = ev.rank_metrics(ev.popular_topk(pop, train, 20, True), valid)["ndcg@10"]
-    sas = json.load(open(f"{REPO}/{OUT}/sasrec/eval_test.json"))
+    sas = load_json(f"{REPO}/{OUT}/sasrec/eval_test.json", f"run `python baselines/sasrec.py --out-dir {OUT}`")
     found = sorted(f[:-5] for f in os.listdir(f"{REPO}/{RECORDS}") if f.endswith(".json"))
     names = list(dict.fromkeys([*runs, *found]))                   # the plan's order, then any other record
     recs = {n: rec for n in names if (rec := read_record(n, len(test))) is not None}
@@ -530,7 +529,7 @@ def report(a, runs):
             "comparison.", ""]
     sas_topk = f"{REPO}/{OUT}/sasrec/eval_test_topk_exclude.npy"
     if os.path.exists(sas_topk):                      # how far each peak is from SASRec, user by user
-        sas_per = ev.per_user_metrics(np.load(sas_topk, allow_pickle=False), test)
+        sas_per = ev.per_user_metrics(load_npy(sas_topk, "rerun baselines/sasrec.py"), test)
         text += [f"{name} - SASRec (test, paired bootstrap 95%): {paired(per[name], sas_per)}" for name in per]
         text.append("")
     for sd in sorted({seed for n, (k, seed) in done.items() if k == "random"}):

@@ -79,8 +79,13 @@ def test_record_round_trip_and_skip(tmp_path, monkeypatch):
     assert rec["rank_curve"][1] == [44, 0.2, 0.1] and topk.dtype == np.int64
     assert (topk == np.arange(100).reshape(5, 20)).all()
     assert conv.read_record("centroid-s0", 5) is None
-    with pytest.raises(SystemExit, match=r"has 5 users, dataset.pt 6; delete the record and rerun"):
+    with pytest.raises(SystemExit, match=r"5 users, dataset.pt 6; delete results/convergence/random-s0\* and rerun"):
         conv.read_record("random-s0", 6)                               # a record of another dataset
+    good = (tmp_path / conv.RECORDS / "random-s0.json").read_text()
+    (tmp_path / conv.RECORDS / "random-s0.json").write_text(good[:40])  # a truncated record: one line, no traceback
+    with pytest.raises(SystemExit, match=r"random-s0.json is unreadable \(JSONDecodeError\); delete results/conv"):
+        conv.read_record("random-s0", 5)
+    (tmp_path / conv.RECORDS / "random-s0.json").write_text(good)
     monkeypatch.setattr(conv, "sh", lambda *a, **k: pytest.fail("a run with a record must not rerun"))
     conv.run_one(None, "random-s0", "random", 0)
     rec["sids_sha256"] = "0123456789ab"                                # a record made on other SIDs: rerun
