@@ -56,7 +56,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKBONE = "models/SmolLM2-135M-Instruct"
 PINNED = "results/convergence/tokenizer"          # ml-100k's pinned 02 outputs (scripts/convergence.py made them)
 sys.path.insert(0, REPO)
-from common import atomic_write, load_step  # noqa: E402
+from common import atomic_write, load_json as read_json, load_step  # noqa: E402
 
 ev = load_step("06_eval")                         # 06's per_user_metrics and paired_bootstrap
 
@@ -293,7 +293,7 @@ def execute(a, steps, logs):
             total += dt
             tj = os.path.join(logs, "timings.json")                    # seconds per step, kept across resumes
             os.makedirs(logs, exist_ok=True)
-            times = json.load(open(tj)) if os.path.exists(tj) else {}
+            times = load_json(tj) or {}
             with open(tj + ".tmp", "w") as f:
                 json.dump({**times, s.name: round(dt, 1)}, f, indent=1)
             os.replace(tj + ".tmp", tj)
@@ -335,7 +335,8 @@ def sid_rows(folder):
     untied, {"head": (n, d)}, fp16; the token ids)."""
     import torch
     from safetensors import safe_open
-    ids = [t for level in json.load(open(os.path.join(folder, "sid_vocab.json")))["token_ids"] for t in level if t >= 0]
+    vocab = read_json(os.path.join(folder, "sid_vocab.json"), "a model folder of 03-05 has one")
+    ids = [t for level in vocab["token_ids"] for t in level if t >= 0]
     rows = {}
     for fn in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
         with safe_open(os.path.join(folder, fn), framework="pt") as f:
@@ -434,7 +435,7 @@ def seed0_figures(a, res_variants):
             have = [(v, p) for v, p in have if os.path.exists(os.path.join(p, "model.safetensors"))]
             save = os.path.join(a.results_dir, f"{a.dataset}{'' if tok == 'rqvae' else '_' + tok}_{st}.json")
             if have:                      # without seed-0 folders here, the committed figures, if any, stay
-                old = json.load(open(save)) if os.path.exists(save) else {}
+                old = load_json(save) or {}
                 if sorted(old.get("models", {})) != sorted(v for v, _ in have):   # redo only when the set changed
                     run_script("07_diagnose.py", ["--out-dir", tokenizer_dir(a, tok), "--models", ",".join(p for _, p in have),
                                                   "--names", ",".join(v for v, _ in have), "--save", save,
@@ -450,7 +451,8 @@ def seed0_figures(a, res_variants):
 # Collect and report
 # ---------------------------------------------------------------------------------------------------
 def load_json(path):
-    return json.load(open(path)) if os.path.exists(path) else None
+    """path's JSON, or None when there is none (an unreadable one: one line naming it)."""
+    return read_json(path, "delete it and rerun the run that wrote it") if os.path.exists(path) else None
 
 
 def collect(a, variants):

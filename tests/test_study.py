@@ -624,3 +624,11 @@ def test_committed_figures_stay_listed_without_the_run_folders(tmp_path):
         open(os.path.join(a.results_dir, f"toy_sft_{k}.png"), "wb").close()
     figs = study.seed0_figures(a, ["random", "centroid"])
     assert [os.path.basename(f) for f in figs] == ["toy_sft_cosine.png", "toy_sft_spectra.png"]
+
+
+def test_load_json_names_an_unreadable_record(tmp_path):
+    rec = tmp_path / "random-s0.json"
+    assert study.load_json(str(rec)) is None                           # not run yet
+    rec.write_text('{"eval": {"model"')                                  # a truncated record
+    with pytest.raises(SystemExit, match=r"random-s0.json is unreadable \(JSONDecodeError\); delete it and rerun"):
+        study.load_json(str(rec))
