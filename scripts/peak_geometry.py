@@ -12,14 +12,13 @@ on the seeds' t interval, the popularity axis against a permutation null. One se
 Frequencies, centroids and categories: make run's dataset.pt with the pinned tokenizer (results/convergence/tokenizer).
 07's spread_ratio_vocab_over_sid is not measured here (the records keep only the SID rows).
 """
-import json
 import os
 import sys
 
 import numpy as np
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from common import atomic_write, die, load_step  # noqa: E402
+from common import atomic_write, die, load_json, load_step  # noqa: E402
 from convergence import BASE, OUT, RECORDS, TOKENIZER, sha, stage_base  # noqa: E402
 from study import MOVED, REPO, axis_verdict, gate, geometry_row, moved, seed_list  # noqa: E402
 
@@ -125,7 +124,7 @@ def main():
     recs = {}
     for fn in sorted(os.listdir(f"{REPO}/{RECORDS}")):
         if fn.endswith(".json") and fn != "ceiling.json":
-            rec = json.load(open(f"{REPO}/{RECORDS}/{fn}"))
+            rec = load_json(f"{REPO}/{RECORDS}/{fn}", f"delete it and rerun `scripts/convergence.py --runs {fn[:-5]}`")
             recs[rec["run"]] = rec
     with_rows = {k: r for k, r in recs.items() if r.get("rows")}
     data = load_data()
