@@ -206,7 +206,8 @@ def write_record(name, kind, seed, run_dir, best_dir, ranked):
     """Keep what the reports need from a finished run (a few kB + one (users, 20) int32 array + the SID rows): 05's
     counts and seconds from run_dir, the test metrics and lists of the chosen checkpoint best_dir, the ranking
     (rank_checkpoints), and the SID rows of every ranked checkpoint (step 0 = the init) when they are there."""
-    j, t = load_json(f"{run_dir}/05_sft.json", "rerun this run"), load_json(f"{best_dir}/eval_test.json", "rerun")
+    j = load_json(f"{run_dir}/05_sft.json", "rerun this run")
+    t = load_json(f"{best_dir}/eval_test.json", "rerun this run")
     topk = load_npy(f"{best_dir}/eval_test_topk.npy", "rerun this run").astype(np.int32)
     rec = {"run": name, "kind": kind, "init": KINDS[kind][0], "flags": KINDS[kind][1], "seed": seed,
            "sids_sha256": sha(f"{REPO}/{TOKENIZER}/sids.npy"), "test": t["model"],

@@ -294,9 +294,7 @@ def execute(a, steps, logs):
             tj = os.path.join(logs, "timings.json")                    # seconds per step, kept across resumes
             os.makedirs(logs, exist_ok=True)
             times = load_json(tj) or {}
-            with open(tj + ".tmp", "w") as f:
-                json.dump({**times, s.name: round(dt, 1)}, f, indent=1)
-            os.replace(tj + ".tmp", tj)
+            atomic_write(tj, lambda t: open(t, "w").write(json.dumps({**times, s.name: round(dt, 1)}, indent=1)))
     return total
 
 
@@ -1048,9 +1046,7 @@ def report(a, res, targets, popularity, cmd, figs=(), histories=None):
         md += ["", "## Figures", ""] + [f"![{os.path.basename(f)}]({os.path.basename(f)})" for f in figs if f]
     os.makedirs(a.results_dir, exist_ok=True)
     path = os.path.join(a.results_dir, f"{a.dataset}.md")
-    with open(path + ".tmp", "w") as f:
-        f.write("\n".join(md) + "\n")
-    os.replace(path + ".tmp", path)
+    atomic_write(path, lambda t: open(t, "w").write("\n".join(md) + "\n"))
     print("\n".join(md[:40]))
     print(f"wrote {path}")
     return path
