@@ -36,7 +36,9 @@ curves, steps and times, the test metrics, sha256 of its SIDs; <run>_test_topk.n
 test list; <run>_rows.npz: the SID rows, fp16, at every validation up to the stop: step 0 = init),
 committed with its numbers: the report is built from the records, so runs made on different
 machines or days add up, and out/ can be deleted once a run's record is written. A record made on other
-SIDs than the pinned ones is reported with a caveat and rerun by the next call that names it.
+SIDs than the pinned ones is reported with a caveat and rerun by the next call that names it. A record keeps the CPU
+it was made on, and the report names a seed whose init rows (step 0 of its _rows.npz) differ from its kind's first
+seed's: 03's folders rebuild bit-identical on another CPU, 04's bf16 grounding does not.
 Two runs can share 2 cores, each at OMP_NUM_THREADS=1 (about 1.2x the throughput of one on both).
 Writes results/ml-100k_convergence.md (the table; each run - SASRec and centroid - random at the peak, paired
 bootstrap over users; the efficiency claim read two ways, paired by seed; the GTI claims at the peak, each only
@@ -47,6 +49,7 @@ peak, from the _rows.npz records: python scripts/peak_geometry.py.
 import argparse
 import json
 import os
+import platform
 import shutil
 import sys
 import time
@@ -56,7 +59,7 @@ import torch
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from levers import sh  # noqa: E402  (study.py's runner, each step's log in a folder)
-from common import atomic_write, load_json, load_npy  # noqa: E402
+from common import atomic_write, load_artifact, load_json, load_npy  # noqa: E402
 from study import (BACKBONE, REPO, T975, beats_popular, censored_verdict, ev, fmt_iv, joint_verdict,  # noqa: E402
                    link_artifacts, paired_ivs, seed_diffs, sha, sid_rows)  # (ev = 06's metrics)
 from power import mde, pairs_needed  # noqa: E402
@@ -213,7 +216,8 @@ def write_record(name, kind, seed, run_dir, best_dir, ranked):
            "sids_sha256": sha(f"{REPO}/{TOKENIZER}/sids.npy"), "test": t["model"],
            "steps_per_epoch": (j["examples"] + j["aux_examples"]) / (j["batch_size"] * j["grad_accum"]),
            "best_step": ranked["best_step"], "stopped_at": ranked["stopped_at"],
-           "rank_curve": ranked["rank_curve"], "seconds": j["seconds"], "rank_seconds": ranked["rank_seconds"]}
+           "rank_curve": ranked["rank_curve"], "seconds": j["seconds"], "rank_seconds": ranked["rank_seconds"],
+           "cpu": cpu_name()}
     os.makedirs(f"{REPO}/{RECORDS}", exist_ok=True)
     cks = [f"{run_dir}.checkpoints/step_{s}" for s, _, _ in ranked["rank_curve"]]
     if all(os.path.exists(f"{c}/sid_vocab.json") for c in cks):      # ~0.2 MB a checkpoint (194 rows x 576)
@@ -224,6 +228,38 @@ def write_record(name, kind, seed, run_dir, best_dir, ranked):
         rec["rows"] = f"{name}_rows.npz"
     atomic_write(record_path(name, "_test_topk.npy"), lambda p: np.save(open(p, "wb"), topk))
     atomic_write(record_path(name), lambda p: open(p, "w").write(json.dumps(rec, indent=1) + "\n"))
+
+
+def cpu_name():
+    """The CPU a record was made on (bf16 kernels differ between CPUs, so 04's grounded rows do too)."""
+    try:
+        return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def init_notes(recs):
+    """Every seed of a kind should start from the same init rows (03's and 04's folders are built once): a run whose
+    step-0 SID rows (its _rows.npz) differ from the kind's lowest seed's is named, with how far and on which CPUs.
+    03's folders rebuild bit-identical on another CPU; 04's grounding (bf16 autocast, 120 steps at lr 1e-2) does not.
+    -> markdown lines."""
+    first, lines = {}, []
+    for name, (j, _) in sorted(recs.items(), key=lambda kv: kv[1][0]["seed"]):
+        if not j.get("rows"):
+            continue
+        path = record_path(j["rows"], "")
+        rows = load_artifact(path, f"delete {RECORDS}/{name}* and rerun", lambda p: np.load(p)["input"][0])
+        k = kind_of(j)
+        if k not in first:
+            first[k] = (j, rows)
+            continue
+        j0, rows0 = first[k]
+        if rows.shape != rows0.shape or not np.array_equal(rows, rows0):
+            gap = np.abs(rows.astype(np.float32) - rows0.astype(np.float32)).max() if rows.shape == rows0.shape else np.inf
+            cpus = f"{j0.get('cpu', 'CPU not recorded')} vs {j.get('cpu', 'CPU not recorded')}"
+            lines.append(f"- {name} starts from other init rows than {j0['run']} (max |difference| {gap:.3f} over the "
+                         f"SID rows; {cpus}): its seed pairs differ by the init build too, not only by the seed.")
+    return lines
 
 
 def read_record(name, n_users):
@@ -528,6 +564,8 @@ def report(a, runs):
             "A run made before the pin ('-': not recorded) is paired only with a caveat. Minutes: wall clock "
             "of 05 and its validation rankings on the machine and load that made the run, not a speed "
             "comparison.", ""]
+    if notes := init_notes(recs):
+        text += ["Init rows: the runs of a kind start from one build of 03's (and 04's) folder, except:", *notes, ""]
     sas_topk = f"{REPO}/{OUT}/sasrec/eval_test_topk_exclude.npy"
     if os.path.exists(sas_topk):                      # how far each peak is from SASRec, user by user
         sas_per = ev.per_user_metrics(load_npy(sas_topk, "rerun baselines/sasrec.py"), test)

@@ -393,3 +393,22 @@ def test_two_stage_gti_base(tmp_path, monkeypatch):
     assert (models / "mean+gti2").is_dir() and not (models / "mean+gti2-rows+cpt3").exists()
     conv.build_base("mean+gti2", conv.pin_tokenizer())
     assert len(calls) == 3
+
+
+def test_init_notes_name_a_seed_that_starts_from_other_rows(tmp_path, monkeypatch):
+    """Seeds of one kind share their init rows; a run whose step-0 rows differ (04 rebuilt on another CPU) is named
+    with the gap and both CPUs, and identical rows or another kind's rows say nothing."""
+    monkeypatch.setattr(conv, "REPO", str(tmp_path))
+    (tmp_path / conv.RECORDS).mkdir(parents=True)
+    base = np.arange(12, dtype=np.float16).reshape(1, 3, 4)
+    recs = {}
+    for name, kind, seed, shift in (("mean+gti-full-s0", "mean+gti-full", 0, 0.0), ("mean+gti-full-s1", "mean+gti-full",
+                                    1, 0.0), ("mean+gti-full-s3", "mean+gti-full", 3, 0.25), ("mean-full-s3", "mean-full",
+                                                                                              3, 1.0)):
+        rows = (base + shift).astype(np.float16)
+        np.savez_compressed(tmp_path / conv.RECORDS / f"{name}_rows.npz", steps=np.array([0]), input=rows)
+        recs[name] = ({"run": name, "kind": kind, "seed": seed, "rows": f"{name}_rows.npz", "cpu": f"cpu{seed}"}, None)
+    lines = conv.init_notes(recs)
+    assert lines == ["- mean+gti-full-s3 starts from other init rows than mean+gti-full-s0 (max |difference| 0.250 over "
+                     "the SID rows; cpu0 vs cpu3): its seed pairs differ by the init build too, not only by the seed."]
+    assert conv.init_notes({k: v for k, v in recs.items() if not k.endswith("s3")}) == []
