@@ -74,7 +74,7 @@ def test_record_round_trip_and_skip(tmp_path, monkeypatch):
     assert rec["init"] == "random" and rec["best_step"] == 44 and rec["steps_per_epoch"] == 82.5
     assert rec["stopped_at"] == 88 and rec["seconds"] == 90.0 and rec["rank_seconds"] == 30.0
     assert list(rec) == ["run", "kind", "init", "flags", "seed", "sids_sha256", "test", "steps_per_epoch",
-                         "best_step", "stopped_at", "rank_curve", "seconds", "rank_seconds"]   # the records' fields
+                         "best_step", "stopped_at", "rank_curve", "seconds", "rank_seconds", "cpu"]   # the fields
     assert len(rec["sids_sha256"]) == 12 and int(rec["sids_sha256"], 16) >= 0
     assert rec["rank_curve"][1] == [44, 0.2, 0.1] and topk.dtype == np.int64
     assert (topk == np.arange(100).reshape(5, 20)).all()
