@@ -28,7 +28,8 @@ users, not its init rows.
 Needs `make run` (out/ml-100k: dataset.pt, item_emb.npy, 02's outputs, sasrec/). Every run trains on one
 pinned tokenizer: 02 learns other codes on another CPU from the same item vectors, so the first run copies
 make run's 02 outputs (sids.npy, centroids.pt, rqvae.pt) into results/convergence/tokenizer/, committed, and
-every run on any machine rebuilds 03 (and 04 for the ceiling) from those files in out/ml-100k/convergence/base/.
+every run on any machine rebuilds 03 (and 04 for the ceiling) from those files in out/ml-100k/convergence/base/;
+SASRec's test metrics and lists, the report's reference, are pinned alike in results/convergence/sasrec/.
 A seed pair made in two sessions then differs by its init and seed, not by its SIDs. Model selection reads
 only the validation item (06 --split valid on 05's checkpoints); the test split is scored once per run,
 on the chosen checkpoint. A finished run leaves a small record in results/convergence/ (<run>.json: 05's
@@ -66,6 +67,7 @@ from power import mde, pairs_needed  # noqa: E402
 OUT = "out/ml-100k"
 TOKENIZER = "results/convergence/tokenizer"  # 02's outputs every run trains on, committed
 TOKENIZER_FILES = ("sids.npy", "centroids.pt", "rqvae.pt", "02_rqvae.json")
+SASREC = "results/convergence/sasrec"  # the reference's test metrics and lists (make run's SASRec), committed
 BASE = f"{OUT}/convergence/base"        # 01's files + the pinned 02 files -> 03 (and 04) rebuilt here
 RECORDS = "results/convergence"       # one finished run = <run>.json + <run>_test_topk.npy, committed
 S_PER_STEP, S_PER_RANK = 3.0, 200.0   # this 2-core VM: 05 s/step, one 06 --split valid (943 users)
@@ -126,6 +128,23 @@ def pin_tokenizer():
         print(f"pinned {OUT}'s 02 outputs in {TOKENIZER}/ (sids sha256 {sha(pinned + '/sids.npy')}): "
               "commit them", flush=True)
     return sha(f"{pinned}/sids.npy")
+
+
+def pin_sasrec():
+    """SASRec's test metrics and ranked test lists, the report's reference: make run's, copied once into
+    results/convergence/sasrec/ (commit them), so the report rebuilds from results/ alone (a retrain on another CPU
+    differs in the 4th digit). -> (its eval_test.json, the path of its lists)."""
+    pinned, src = f"{REPO}/{SASREC}", f"{REPO}/{OUT}/sasrec"
+    if not os.path.exists(f"{pinned}/eval_test.json"):
+        if not os.path.exists(f"{src}/eval_test.json"):
+            sys.exit(f"error: {OUT}/sasrec/eval_test.json not found; run `python baselines/sasrec.py --out-dir {OUT}`")
+        os.makedirs(pinned, exist_ok=True)
+        for f in ("eval_test_topk_exclude.npy", "eval_test.json"):           # the json last: it marks a complete pin
+            if os.path.exists(f"{src}/{f}"):
+                atomic_write(f"{pinned}/{f}", lambda t, f=f: shutil.copyfile(f"{src}/{f}", t))
+        print(f"pinned {OUT}/sasrec's test files in {SASREC}/: commit them", flush=True)
+    return (load_json(f"{pinned}/eval_test.json", f"delete {SASREC} and rerun"),
+            f"{pinned}/eval_test_topk_exclude.npy")
 
 
 def stage_base(pinned_sha):
@@ -529,7 +548,7 @@ def report(a, runs):
     valid, test = data["valid"].numpy(), data["test"].numpy()
     pop, train = data["popularity"].numpy(), data["train"]
     pop_val = ev.rank_metrics(ev.popular_topk(pop, train, 20, True), valid)["ndcg@10"]
-    sas = load_json(f"{REPO}/{OUT}/sasrec/eval_test.json", f"run `python baselines/sasrec.py --out-dir {OUT}`")
+    sas, sas_topk = pin_sasrec()
     found = sorted(f[:-5] for f in os.listdir(f"{REPO}/{RECORDS}") if f.endswith(".json"))
     names = list(dict.fromkeys([*runs, *found]))                   # the plan's order, then any other record
     recs = {n: rec for n in names if (rec := read_record(n, len(test))) is not None}
@@ -566,9 +585,8 @@ def report(a, runs):
             "comparison.", ""]
     if notes := init_notes(recs):
         text += ["Init rows: the runs of a kind start from one build of 03's (and 04's) folder, except:", *notes, ""]
-    sas_topk = f"{REPO}/{OUT}/sasrec/eval_test_topk_exclude.npy"
     if os.path.exists(sas_topk):                      # how far each peak is from SASRec, user by user
-        sas_per = ev.per_user_metrics(load_npy(sas_topk, "rerun baselines/sasrec.py"), test)
+        sas_per = ev.per_user_metrics(load_npy(sas_topk, f"delete {SASREC} and rerun").astype(np.int64), test)
         text += [f"{name} - SASRec (test, paired bootstrap 95%): {paired(per[name], sas_per)}" for name in per]
         text.append("")
     for sd in sorted({seed for n, (k, seed) in done.items() if k == "random"}):
@@ -627,7 +645,7 @@ def main():
     todo = a.runs.split(",") if a.runs else list(runs)
     if bad := [n for n in todo if n not in runs]:
         sys.exit(f"error: unknown run(s) {bad}; choose from {list(runs)}")
-    if not os.path.exists(f"{REPO}/{OUT}/sasrec/eval_test.json"):
+    if not any(os.path.exists(f"{REPO}/{d}/eval_test.json") for d in (f"{OUT}/sasrec", SASREC)):
         sys.exit(f"error: {OUT}/sasrec/eval_test.json not found; run `make run` first")
     if a.dry_run:                   # the aux runs' steps are shorter: this over-counts them
         hours = []

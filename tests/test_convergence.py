@@ -272,6 +272,10 @@ def test_report_from_records_alone(tmp_path, monkeypatch):
     assert "random 40, centroid 30" in md and "confounded with the tokenizer)" in md.split("Efficiency")[1]
     assert "Not run yet: ceiling, random-s1, centroid-s1 (`python scripts/convergence.py --runs ceiling`" in md
     assert (tmp_path / "results" / "ml-100k_convergence.png").stat().st_size > 1000
+    import shutil                                            # SASRec is pinned in results/: out/'s copy can go
+    shutil.rmtree(tmp_path / conv.OUT / "sasrec")
+    conv.report(a, conv.runs_of(a))
+    assert (tmp_path / "results" / "ml-100k_convergence.md").read_text() == md
 
 
 def test_record_keeps_the_sid_rows_of_every_ranked_checkpoint(tmp_path, monkeypatch):
