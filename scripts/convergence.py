@@ -443,13 +443,14 @@ def study_form(per_seed, kinds):
 def gti_claim(per_seed, pop_users, a, b, metric, judged):
     """One GTI claim from {kind: {seed: per-user metrics}}: a - b over users (the seeds both ran, averaged per user;
     paired bootstrap) and over seed pairs (t interval; one pair: borrowed_interval). A verdict only where b beats
-    most-popular; both intervals must agree. -> (ours, b's Recall@10, verdict)."""
+    most-popular on those seeds (all of b's before a has run); both intervals must agree. -> (ours, b's Recall@10, verdict)."""
     if not per_seed.get(b):
         return "not run", "-", "not run yet"
-    trained, b_text = baseline_trains(np.mean([m["recall@10"] for m in per_seed[b].values()], 0), pop_users)
+    common = sorted(set(per_seed.get(a, {})) & set(per_seed[b]))    # b's training read on the seeds compared
+    trained, b_text = baseline_trains(np.mean([per_seed[b][s]["recall@10"] for s in common or per_seed[b]], 0),
+                                      pop_users)
     if not per_seed.get(a):                                   # the baseline's training shown before a has run
         return "not run", b_text, "not run yet"
-    common = sorted(set(per_seed[a]) & set(per_seed[b]))
     if not common:
         return "no common seed", b_text, "not run yet"
     pu = study_form(per_seed, (a, b))

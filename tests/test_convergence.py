@@ -333,6 +333,10 @@ def test_gti_claim_needs_a_baseline_that_trains():
     assert conv.gti_claim(per, pop, "mean+gti2-full", "mean-full", "recall@10", True)[2] == "reproduced"
     assert conv.gti_claim({"mean-full": {0: strong}}, pop, "mean+gti-full", "mean-full", "recall@10", True)[2] == (
         "not run yet")
+    per = {"mean-full": {0: strong, 3: weak}, "mean+gti-full": {0: better}}    # b's seed 3 has no partner
+    assert conv.gti_claim(per, pop, "mean+gti-full", "mean-full", "recall@10", True)[1].startswith("0.2500")
+    assert conv.gti_claim({"mean-full": per["mean-full"]}, pop, "mean+gti-full", "mean-full", "recall@10",
+                          True)[1].startswith("0.1500")                       # before a has run: all of b's seeds
 
 
 def test_gti_power_from_the_peak_seed_spread():
