@@ -115,16 +115,24 @@ def record_path(name, ext=".json"):
     return f"{REPO}/{RECORDS}/{name}{ext}"
 
 
+def pin(src, dst, files, hint):
+    """Copy make run's `files` from src into the committed folder dst (both relative to the repository) once; the
+    first file, copied last, marks a complete pin. A missing one is one line with `hint`. -> True when it copied."""
+    if os.path.exists(f"{REPO}/{dst}/{files[0]}"):
+        return False
+    if missing := [f for f in files if not os.path.exists(f"{REPO}/{src}/{f}")]:
+        sys.exit(f"error: {src}/{missing[0]} not found; {hint}")
+    os.makedirs(f"{REPO}/{dst}", exist_ok=True)
+    for f in files[::-1]:
+        atomic_write(f"{REPO}/{dst}/{f}", lambda t, f=f: shutil.copyfile(f"{REPO}/{src}/{f}", t))
+    return True
+
+
 def pin_tokenizer():
     """The SIDs every run trains on: make run's 02 outputs, copied once into results/ (commit them).
     -> their sha256 prefix."""
     pinned = f"{REPO}/{TOKENIZER}"
-    if not os.path.exists(f"{pinned}/sids.npy"):
-        if missing := [f for f in TOKENIZER_FILES if not os.path.exists(f"{REPO}/{OUT}/{f}")]:
-            sys.exit(f"error: {OUT}/{missing[0]} not found; run `make run` first")
-        os.makedirs(pinned, exist_ok=True)
-        for f in TOKENIZER_FILES[::-1]:                          # sids.npy last: it marks a complete pin
-            atomic_write(f"{pinned}/{f}", lambda t, f=f: shutil.copyfile(f"{REPO}/{OUT}/{f}", t))
+    if pin(OUT, TOKENIZER, TOKENIZER_FILES, "run `make run` first"):
         print(f"pinned {OUT}'s 02 outputs in {TOKENIZER}/ (sids sha256 {sha(pinned + '/sids.npy')}): "
               "commit them", flush=True)
     return sha(f"{pinned}/sids.npy")
@@ -134,17 +142,11 @@ def pin_sasrec():
     """SASRec's test metrics and ranked test lists, the report's reference: make run's, copied once into
     results/convergence/sasrec/ (commit them), so the report rebuilds from results/ alone (a retrain on another CPU
     differs in the 4th digit). -> (its eval_test.json, the path of its lists)."""
-    pinned, src = f"{REPO}/{SASREC}", f"{REPO}/{OUT}/sasrec"
-    if not os.path.exists(f"{pinned}/eval_test.json"):
-        if not os.path.exists(f"{src}/eval_test.json"):
-            sys.exit(f"error: {OUT}/sasrec/eval_test.json not found; run `python baselines/sasrec.py --out-dir {OUT}`")
-        os.makedirs(pinned, exist_ok=True)
-        for f in ("eval_test_topk_exclude.npy", "eval_test.json"):           # the json last: it marks a complete pin
-            if os.path.exists(f"{src}/{f}"):
-                atomic_write(f"{pinned}/{f}", lambda t, f=f: shutil.copyfile(f"{src}/{f}", t))
+    if pin(f"{OUT}/sasrec", SASREC, ("eval_test.json", "eval_test_topk_exclude.npy"),
+           f"run `python baselines/sasrec.py --out-dir {OUT}`"):
         print(f"pinned {OUT}/sasrec's test files in {SASREC}/: commit them", flush=True)
-    return (load_json(f"{pinned}/eval_test.json", f"delete {SASREC} and rerun"),
-            f"{pinned}/eval_test_topk_exclude.npy")
+    return (load_json(f"{REPO}/{SASREC}/eval_test.json", f"delete {SASREC} and rerun"),
+            f"{REPO}/{SASREC}/eval_test_topk_exclude.npy")
 
 
 def stage_base(pinned_sha):
@@ -273,7 +275,7 @@ def init_notes(recs):
             first[k] = (j, rows)
             continue
         j0, rows0 = first[k]
-        if rows.shape != rows0.shape or not np.array_equal(rows, rows0):
+        if not np.array_equal(rows, rows0):                    # False too where the shapes differ (other SIDs)
             gap = np.abs(rows.astype(np.float32) - rows0.astype(np.float32)).max() if rows.shape == rows0.shape else np.inf
             cpus = f"{j0.get('cpu', 'CPU not recorded')} vs {j.get('cpu', 'CPU not recorded')}"
             lines.append(f"- {name} starts from other init rows than {j0['run']} (max |difference| {gap:.3f} over the "
@@ -586,10 +588,9 @@ def report(a, runs):
             "comparison.", ""]
     if notes := init_notes(recs):
         text += ["Init rows: the runs of a kind start from one build of 03's (and 04's) folder, except:", *notes, ""]
-    if os.path.exists(sas_topk):                      # how far each peak is from SASRec, user by user
-        sas_per = ev.per_user_metrics(load_npy(sas_topk, f"delete {SASREC} and rerun").astype(np.int64), test)
-        text += [f"{name} - SASRec (test, paired bootstrap 95%): {paired(per[name], sas_per)}" for name in per]
-        text.append("")
+    sas_per = ev.per_user_metrics(load_npy(sas_topk, f"delete {SASREC} and rerun"), test)   # each peak vs SASRec
+    text += [f"{name} - SASRec (test, paired bootstrap 95%): {paired(per[name], sas_per)}" for name in per]
+    text.append("")
     for sd in sorted({seed for n, (k, seed) in done.items() if k == "random"}):
         r, c = f"random-s{sd}", f"centroid-s{sd}"
         if r in per and c in per:

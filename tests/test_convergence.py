@@ -410,9 +410,9 @@ def test_init_notes_name_a_seed_that_starts_from_other_rows(tmp_path, monkeypatc
     (tmp_path / conv.RECORDS).mkdir(parents=True)
     base = np.arange(12, dtype=np.float16).reshape(1, 3, 4)
     recs = {}
-    for name, kind, seed, shift in (("mean+gti-full-s0", "mean+gti-full", 0, 0.0), ("mean+gti-full-s1", "mean+gti-full",
-                                    1, 0.0), ("mean+gti-full-s3", "mean+gti-full", 3, 0.25), ("mean-full-s3", "mean-full",
-                                                                                              3, 1.0)):
+    runs = [("mean+gti-full-s0", "mean+gti-full", 0, 0.0), ("mean+gti-full-s1", "mean+gti-full", 1, 0.0),
+            ("mean+gti-full-s3", "mean+gti-full", 3, 0.25), ("mean-full-s3", "mean-full", 3, 1.0)]
+    for name, kind, seed, shift in runs:
         rows = (base + shift).astype(np.float16)
         np.savez_compressed(tmp_path / conv.RECORDS / f"{name}_rows.npz", steps=np.array([0]), input=rows)
         recs[name] = ({"run": name, "kind": kind, "seed": seed, "rows": f"{name}_rows.npz", "cpu": f"cpu{seed}"}, None)
