@@ -6,22 +6,21 @@ row; train the new token rows (and an untied head's same rows) on next-token NLL
     SID -> text:  "Item <a_12><b_3><c_40><d_0> is" -> " <item text></s>"
     loss = - mean_{t in target} log p(y_t | y_<t)         (prompt positions masked with -100)
     g_W  <- g_W * m[:, None],  m_v = 1 iff token v is new   (row mask; AdamW, weight decay 0)
---train all is continued pretraining (CPT, the centroid paper's alignment stage): the same pairs
-and loss, every parameter trained (lr 1e-4, warmup then constant, so the folder saved after epoch E
-is the same whatever --epochs is). One CPT epoch on ML-100K = 378 steps of 8 pairs: 613 s measured
-on 2 CPU cores (bf16).
---epochs E scores the held-out items (--max-eval of them) after every epoch: `holdout_curve`, the
-in-level text -> SID accuracy per level; --plateau P (--train rows) stops once no level rose above its
-best so far (the start counts) for P epochs, else at E, and saves the model at the stop. The GTI paper
-grounds 8,000 steps x 128 pairs (new rows), then unfreezes all for 8,000 x 128 on the same pairs, then
-SFT; in proportion (D = epochs_done in mean+gti/04_ground.json; the same --seed: the same pairs):
+--train all is continued pretraining (CPT, the centroid paper's alignment stage): the same pairs and loss, every
+parameter trained (lr 1e-4, warmup then constant, so the folder saved after epoch E is the same whatever --epochs
+is). One CPT epoch on ML-100K = 378 steps of 8 pairs: 613 s measured on 2 CPU cores (bf16).
+--epochs E scores the held-out items (--max-eval of them) after every epoch: `holdout_curve`, the in-level
+text -> SID accuracy per level; --plateau P (--train rows) stops once no level rose above its best so far (the
+start counts) for P epochs, else at E, and saves the model at the stop. The GTI paper grounds 8,000 steps x 128
+pairs (new rows), then unfreezes all for 8,000 x 128 on the same pairs, then SFT; in proportion (D = epochs_done
+in mean+gti/04_ground.json; the same --seed: the same pairs):
 GTI+: python 04_ground.py --model out/ml-100k/models/mean --epochs 30 --plateau 2        (-> mean+gti)
       python 04_ground.py --model out/ml-100k/models/mean+gti --train all --epochs D  (-> mean+gti+cptD)
 Reads:  <model> (03's folder, default <out-dir>/models/centroid), <out-dir>/dataset.pt
-Writes: <save> (default <model>+gti; --train all: <model>+cpt<E>): model, tokenizer, sid_vocab.json,
-        04_ground.json (--epochs: + holdout_curve [[epoch, step, [acc per level]]], stopped_epoch
-        (null: ran to E), epochs_done, steps_done); --epochs E also <save>.resume.pt after every epoch
-        e < E (--resume continues from it; the finished run removes it), --train all also <model>+cpt<e>
+Writes: <save> (default <model>+gti; --train all: <model>+cpt<E>): model, tokenizer, sid_vocab.json, 04_ground.json
+        (--epochs: + holdout_curve [[epoch, step, [acc per level]]], stopped_epoch (null: ran to E), epochs_done,
+        steps_done); --epochs E also <save>.resume.pt after every epoch e < E (--resume continues from it; the
+        finished run removes it), --train all also <model>+cpt<e>
 CPU:  python 04_ground.py --model out/ml-100k/models/centroid
 GPU:  python 04_ground.py --device cuda --steps 2000 --batch-size 64       (the same default model)
 CPT:  python 04_ground.py --model out/ml-100k/models/random --train all --epochs 4  (+cpt1..+cpt4)
@@ -29,16 +28,15 @@ Good run: the loss falls, held-out in-level accuracy beats chance, `pretrained r
 """
 import argparse
 import json
-import math
 import os
 import time
 
 import numpy as np
 import torch
 
-from common import (Parser, add_device_flags, atomic_write, die, load_pt, load_sid_model,
-                    nonneg_float, nonneg_int, pick_autocast, pick_device, pos_int, save_folder,
-                    seed_everything)
+from common import (Parser, add_device_flags, die, load_resume, load_sid_model, nonneg_float, nonneg_int,
+                    pad_id, pick_autocast, pick_device, pos_int, save_folder, save_resume, seed_everything,
+                    warmup_cosine)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -189,7 +187,7 @@ def main(argv=None):
     t0 = time.time()
     model, tok, vocab, data, _, item_tok, _ = load_sid_model(args.model, args.out_dir, "cpu")
     texts, item_tids = data["texts"], item_tok.tolist()
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    pad = pad_id(tok)
     level_ids = [torch.tensor([t for t in lvl if t >= 0]) for lvl in vocab["token_ids"]]  # (n_l,)
     new_ids = torch.cat(level_ids).to(device)                                       # (n_new,)
     g = torch.Generator().manual_seed(args.seed)               # 1. pairs: split, then batch order
@@ -205,22 +203,19 @@ def main(argv=None):
     if per_epoch < 1:
         die(f"--batch-size {args.batch_size} exceeds the {len(pairs)} grounding pairs")
     args.steps = args.epochs * per_epoch if args.epochs else args.steps
-    print(f"{len(texts)} items: {len(train_items)} for grounding ({len(pairs)} pairs), "
-          f"{len(held)} held out; train {args.train}: {args.steps} steps "
-          f"({args.steps / per_epoch:.2f} epochs)")
+    print(f"{len(texts)} items: {len(train_items)} for grounding ({len(pairs)} pairs), {len(held)} held out; "
+          f"train {args.train}: {args.steps} steps ({args.steps / per_epoch:.2f} epochs)")
 
     acc = {}
     def accuracy(when):                                         # 4. held-out (and seen) items
-        acc[when] = {k: grounding_accuracy(model, p, level_ids, pad_id, device, ctx)
-                     for k, p in scored.items()}
+        acc[when] = {k: grounding_accuracy(model, p, level_ids, pad, device, ctx) for k, p in scored.items()}
         print(f"{when + ':':<7} held-out acc per level {acc[when]['held_out']['acc']}, "
               f"in-level {acc[when]['held_out']['acc_in_level']}")
     if rows:                                                    # GTI: the new rows, masked
         trained, unchanged = freeze_all_but_new_rows(model.to(device), new_ids)
     else:                                                       # CPT: every parameter
         trained, unchanged = list(model.to(device).requires_grad_(True).parameters()), lambda: None
-    ws = list(dict.fromkeys((model.get_input_embeddings().weight,       # untied head: both
-                             model.get_output_embeddings().weight)))
+    ws = list(dict.fromkeys((model.get_input_embeddings().weight, model.get_output_embeddings().weight)))  # untied: 2
     start = [w.detach()[new_ids].clone() for w in ws]           # the new rows before training
     files = {"sid_vocab.json": json.dumps(vocab)}
     ckpt, key = f"{args.save}.resume.pt", {k: v for k, v in vars(args).items()
@@ -229,24 +224,14 @@ def main(argv=None):
     # constant after the warmup, so a long run's +cpt1, +cpt2 are the ends of short runs.
     opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
                             fused=device.type in ("cuda", "cpu"))      # fused: one kernel per step
-    w, decay = args.warmup, max(1, args.steps - args.warmup)
-    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * (s - w) / decay))    # GTI: cosine to 0
-    sched = torch.optim.lr_scheduler.LambdaLR(      # linear warmup, then cosine (GTI) | 1 (CPT)
-        opt, lambda s: (s + 1) / w if s < w else (cosine(s) if rows else 1.0))
+    sched = torch.optim.lr_scheduler.LambdaLR(      # linear warmup, then cosine to 0 (GTI) | 1 (CPT)
+        opt, lambda s: warmup_cosine(s, args.warmup, args.steps) if rows or s < args.warmup else 1.0)
     order, pos, curve, first, run, state = [], 0, [], 1, (0.0, 0.0, 0.0), {}
     if args.resume:                              # saved at an epoch's end: the next step reshuffles
-        state = load_pt(ckpt, "04 --epochs E writes it after every epoch; run without --resume")
-        diff = [k for k in key if state["key"].get(k) != key[k]]
-        if diff:
-            die(f"--resume: {ckpt} was written with other arguments ({', '.join(diff)}); use the "
-                "same ones or run without --resume")
-        model.load_state_dict(state.pop("model"))              # copied in: drop the file's copies
-        opt.load_state_dict(state.pop("opt"))
-        sched.load_state_dict(state["sched"])
+        state = load_resume(ckpt, key, model=model, opt=opt, sched=sched)
         g.set_state(state["g"])
         torch.set_rng_state(state["rng"])
-        first, curve, run, acc["before"] = (state["step"] + 1, state["curve"], state["run"],
-                                            state["acc_before"])
+        first, curve, run, acc["before"] = state["step"] + 1, state["curve"], state["run"], state["acc_before"]
         print(f"resumed from {ckpt} after step {state['step']}")
     else:
         accuracy("before")
@@ -259,7 +244,7 @@ def main(argv=None):
             order, pos = torch.randperm(len(pairs), generator=g).tolist(), 0
         batch = [pairs[i] for i in order[pos:pos + args.batch_size]]
         pos += args.batch_size
-        x, attn, labels, kind = (t.to(device) for t in collate_right(batch, pad_id))
+        x, attn, labels, kind = (t.to(device) for t in collate_right(batch, pad))
         with ctx:
             logits, y, sel = target_logits(model, x, attn, labels)   # (M, V), (M,)
         is_t2s = kind[:, None].expand_as(sel)[sel]              # targets that are SID tokens (M,)
@@ -274,7 +259,7 @@ def main(argv=None):
         run_hit += float((logits.argmax(-1) == y)[is_t2s].sum())
         run_n += float(is_t2s.sum())
         if end := args.epochs and step % per_epoch == 0:        # an epoch's end: score the held-out items
-            e, ho = step // per_epoch, grounding_accuracy(model, scored["held_out"], level_ids, pad_id, device, ctx)
+            e, ho = step // per_epoch, grounding_accuracy(model, scored["held_out"], level_ids, pad, device, ctx)
             hcurve.append([e, step, ho["acc_in_level"]])
             stop = step < args.steps and plateaued([acc["before"]["held_out"]["acc_in_level"]]
                                                    + [c[2] for c in hcurve], args.plateau)
@@ -282,20 +267,18 @@ def main(argv=None):
         if step % args.log_every == 0 or step == args.steps or stop:
             k, hit = (step - 1) % args.log_every + 1, run_hit / max(run_n, 1)
             curve.append({"step": step, "loss": round(run_loss / k, 4), "t2s_acc": round(hit, 4)})
-            print(f"step {step:5d} | loss {run_loss / k:.4f} | text->SID acc {hit:.3f} | lr "
-                  f"{sched.get_last_lr()[0]:.2e} | {1000 * (time.time() - t_int) / k:.0f} ms/step",
-                  flush=True)
+            ms = 1000 * (time.time() - t_int) / k
+            print(f"step {step:5d} | loss {run_loss / k:.4f} | text->SID acc {hit:.3f} | "
+                  f"lr {sched.get_last_lr()[0]:.2e} | {ms:.0f} ms/step", flush=True)
             (run_loss, run_hit, run_n), t_int = (0.0, 0.0, 0.0), time.time()
         if end and step < args.steps and not stop:             # an epoch's end: the resume state
             info = {"train": "all", "epoch": e, "step": step, "holdout_curve": hcurve, "args": vars(args)}
             dst = f"{args.model.rstrip('/')}+cpt{e}"
             if not rows:                                        # CPT: a folder after every epoch
                 save_folder(dst, model, tok, {**files, "04_ground.json": json.dumps(info, indent=2)})
-            ck = {"step": step, "opt": opt.state_dict(), "sched": sched.state_dict(),
-                  "g": g.get_state(), "curve": curve, "s": time.time() - t_loop,
-                  "run": (run_loss, run_hit, run_n), "model": model.state_dict(),
-                  "rng": torch.get_rng_state(), "acc_before": acc["before"], "key": key, "hcurve": hcurve}
-            atomic_write(ckpt, lambda t: torch.save(ck, t))    # --resume continues from here
+            save_resume(ckpt, key, {"step": step, "g": g.get_state(), "curve": curve, "s": time.time() - t_loop,
+                                    "run": (run_loss, run_hit, run_n), "rng": torch.get_rng_state(),
+                                    "acc_before": acc["before"], "hcurve": hcurve}, model=model, opt=opt, sched=sched)
             print(f"epoch {e}: " + (f"wrote {ckpt}" if rows else f"saved {dst} and {ckpt}"), flush=True)
         if stop:
             break
@@ -310,11 +293,10 @@ def main(argv=None):
 
     # 5. save: the folder (with the same sid_vocab.json and this report), swapped in by save_folder
     model.to("cpu")
-    report = {"model": args.model, "args": vars(args),
-              "items_grounded": len(train_items), "items_held_out": len(held), **acc,
-              "loss_curve": curve, "pretrained_rows_unchanged": frozen_ok,
-              **{f"held_out_{key}_{when}": round(float(np.mean(a["held_out"][key])), 4)  # tables
-                 for key in ("acc", "acc_in_level") for when, a in acc.items()},
+    report = {"model": args.model, "args": vars(args), "items_grounded": len(train_items), "items_held_out": len(held),
+              **acc, "loss_curve": curve, "pretrained_rows_unchanged": frozen_ok,
+              **{f"held_out_{k}_{when}": round(float(np.mean(a["held_out"][k])), 4)  # the tables' figures
+                 for k in ("acc", "acc_in_level") for when, a in acc.items()},
               **({"holdout_curve": hcurve, "stopped_epoch": hcurve[-1][0] if stop else None,
                   "epochs_done": step // per_epoch, "steps_done": step} if args.epochs else {}),
               "new_row_shift": round(moved, 4), "train_seconds": round(train_s, 1),

@@ -33,8 +33,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (Parser, add_device_flags, atomic_write, die, load_pt, load_sid_model, nonneg_float, nonneg_int,
-                    pick_autocast, pick_device, pos_float, pos_int, save_folder, seed_everything, write_json)
+from common import (Parser, add_device_flags, die, init_distributed, load_resume, load_sid_model, nonneg_float,
+                    nonneg_int, pad_id, pick_autocast, pos_float, pos_int, save_folder, save_resume, seed_everything,
+                    warmup_cosine, write_json)
 
 IGNORE = -100                 # the label of a position that is not supervised
 AUX_TEXT_TOKENS = 32          # an auxiliary row keeps the first 32 tokens of the item text
@@ -189,25 +190,10 @@ def stream_batch(n: int, offset: int, size: int, seed: int):
     return [perm[o // n][o % n] for o in range(offset, offset + size)]
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Multiplier of --lr at `step`: linear warmup, then cosine down to MIN_LR_FRAC."""
-    cos = 1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))    # 2 -> 0
-    return (step + 1) / warmup if step < warmup else MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * cos
-
-
 # --- main: rows -> loss -> one loop (validation, best save, resume state) -> 05_sft.json --------------
 def main():
     args = parse_args()
-    ddp = int(os.environ.get("RANK", -1)) != -1            # launched by torchrun: NCCL on CUDA, else gloo
-    if ddp:
-        cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
-        dist.init_process_group("nccl" if cuda else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-    else:
-        rank, world, device = 0, 1, pick_device(args.device)
+    ddp, rank, world, device = init_distributed(args.device)          # launched by torchrun: DDP
     master, log = rank == 0, print if rank == 0 else (lambda *a, **k: None)   # rank 0 logs and saves
     if args.batch_size % world:
         die(f"--batch-size {args.batch_size} must be divisible by the {world} processes")
@@ -233,7 +219,7 @@ def main():
     val = RowBuilder(tok, args.objective, item_tok, data["texts"], val_seqs, args.max_history)
     val_rows = [val.row((Kind.PROMPT_ROW, u, len(train[u]))) for u in users]   # the prompt row of item s_u[-2]
     positions = vocab["level_names"] + ([] if args.objective == "sequence" else ["eos"])   # K tokens per target
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_id(tok)
     per_step = args.batch_size * args.grad_accum                       # examples per optimizer step
     total = math.ceil(args.epochs * len(examples) / per_step) if args.epochs > 0 else args.steps
     targets = sum(len(s) - 1 for s in train if len(s) > 1)
@@ -246,19 +232,13 @@ def main():
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type in ("cuda", "cpu"))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, args.warmup, total))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, args.warmup, total, MIN_LR_FRAC))
     state = dict(step=0, best_val=math.inf, best_step=-1, loss_curve=[], val_curve=[], val_level_acc=[], seconds=0.0)
     free = ("save", "out_dir", "log_every", "resume", "keep_checkpoints", "device")    # may change on --resume
     key = {k: v for k, v in vars(args).items() if k not in free and (k != "aux_tokens" or args.aux_tasks)}
     key |= {"examples": len(examples), "world size": world}           # aux_tokens only matters with --aux-tasks
-    if args.resume:                 # model, optimizer, schedule and `state` as at the last validation
-        ck = load_pt(resume_path, "a finished run removes it; run without --resume")
-        if diff := [k for k in key if ck.get("key", {}).get(k) != key[k]]:
-            die(f"--resume: {resume_path} was written with another {', '.join(diff)}; run without --resume")
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        state = ck["state"]         # (no RNG state: the loop draws none; the example order has its own seeds)
+    if args.resume:     # model, optimizer, schedule and `state` as at the last validation (the loop draws no RNG)
+        state = load_resume(resume_path, key, model=model, optimizer=opt, scheduler=sched)["state"]
         log(f"resumed from {resume_path} at step {state['step']}")
     train_model = DDP(loss_model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else loss_model
     sft_config = {"objective": args.objective, "template": TEMPLATES[args.objective], "max_history": args.max_history,
@@ -273,7 +253,7 @@ def main():
             state["seconds"] += time.time() - t_start           # the clock counts training only
             loss_model.eval()                                   # validation: every process scores all rows
             with torch.no_grad(), ctx:
-                out = [loss_model(*(x.to(device) for x in collate(val_rows[s:s + per_rank], pad_id)))
+                out = [loss_model(*(x.to(device) for x in collate(val_rows[s:s + per_rank], pad)))
                        for s in range(0, len(val_rows), per_rank)]                 # [(summed loss, hits)]
             loss_model.train()
             hits = torch.cat([h for _, h in out]).view(len(val_rows), -1).double()  # (rows, K) 1: argmax right
@@ -289,9 +269,7 @@ def main():
             log(f"step {step}/{total} | val loss {vloss:.4f} | val token acc {vacc:.3f} (" + " ".join(
                 f"{n} {x:.2f}" for n, x in zip(positions, vpos)) + ")" + (" | best, saved" if better else ""))
             if master and 0 < step < total:                      # the state --resume continues from
-                ck = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                      "state": state, "key": key}
-                atomic_write(resume_path, lambda t: torch.save(ck, t))
+                save_resume(resume_path, key, {"state": state}, model=model, optimizer=opt, scheduler=sched)
             t_start = t_log = time.time()
         if step == total:
             break
@@ -299,7 +277,7 @@ def main():
         # divided by the target tokens of the whole step over all processes (DDP = one process's gradient)
         offsets = [(step * args.grad_accum + micro) * args.batch_size + rank * per_rank
                    for micro in range(args.grad_accum)]
-        batches = [collate([rows.row(examples[i]) for i in stream_batch(len(examples), o, per_rank, args.seed)], pad_id)
+        batches = [collate([rows.row(examples[i]) for i in stream_batch(len(examples), o, per_rank, args.seed)], pad)
                    for o in offsets]
         n = torch.tensor([float(sum(int((b[3] != IGNORE).sum()) for b in batches))], device=device)
         tot = torch.zeros(1, dtype=torch.float64, device=device)        # summed loss of this step

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (Parser, add_device_flags, atomic_write, die, load_json, load_sid_model, nonneg_int,
-                    pick_autocast, pick_device, pos_int, write_json)
+                    pad_id, pick_autocast, pick_device, pos_int, write_json)
 
 DEFAULT_TEMPLATE = "User history: {history}\nNext item:"   # 05_sft.py's prompt-objective default
 
@@ -279,12 +279,12 @@ def main():
     prompts = build_prompts(tok, template, item_tok, histories, max_history)
     scorer = LevelScorer(model, vocab["token_ids"], softmax)
     nxt = build_trie(sids, [len(t) for t in vocab["token_ids"]])
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_id(tok)
     print(f"users {len(prompts)}  items {len(sids)}  levels {len(nxt)}  beam {args.beam}  "
           f"softmax {softmax}  prompt tokens mean {np.mean([len(p) for p in prompts]):.0f}")
 
     t1 = time.time()
-    ranked = rank_all(model, prompts, scorer, nxt, args.beam, pad_id, args.batch_size, histories, sids, excludes, ctx)
+    ranked = rank_all(model, prompts, scorer, nxt, args.beam, pad, args.batch_size, histories, sids, excludes, ctx)
     search_s = time.time() - t1
     print(f"beam search {search_s:.1f}s for {len(prompts)} users x {len(excludes)} protocol(s) "
           f"({1000 * search_s / len(prompts):.0f} ms/user)")

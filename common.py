@@ -1,7 +1,7 @@
-"""What every step shares and that is not the lesson: one-line CLI errors, device and dtype, seeding,
-atomic writes, guarded loaders, the model folder (model + tokenizer + sid_vocab.json), and load_step, with
-which scripts/, bench/ and tests use a numbered step's functions. A numbered script imports this module and
-never imports or runs another numbered script."""
+"""What every step shares and that is not the lesson: one-line CLI errors, device and dtype, seeding, several
+processes, the lr schedule and the resume state, atomic writes, guarded loaders, the model folder (model +
+tokenizer + sid_vocab.json), and load_step, with which scripts/, bench/ and tests use a numbered step's
+functions. A numbered script imports this module and never imports or runs another numbered script."""
 import argparse
 import hashlib
 import importlib.util
@@ -65,7 +65,7 @@ def add_device_flags(p: Parser, dtype_help: str = "auto = bf16 on CUDA, fp32 on 
                    help=f"bf16 autocast of the matmuls (weights stay fp32); {dtype_help}")
 
 
-# --- device, dtype, seed -------------------------------------------------------------------------
+# --- device, dtype, seed, several processes; the lr schedule, the resume state -------------------
 def pick_device(name: str) -> torch.device:
     """--device auto -> cuda, else mps, else cpu; a device that is not there is one line."""
     if name == "auto":
@@ -97,6 +97,42 @@ def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def init_distributed(device_flag: str):
+    """torchrun: join the group (NCCL on CUDA, else gloo) -> (True, rank, world, device); else (False, 0, 1, device)"""
+    if int(os.environ.get("RANK", -1)) == -1:
+        return False, 0, 1, pick_device(device_flag)
+    import torch.distributed as dist
+    cuda = device_flag in ("auto", "cuda") and torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return True, dist.get_rank(), dist.get_world_size(), device
+
+
+def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.0) -> float:
+    """The lr multiplier at `step`: linear warmup to 1 over `warmup` steps, then cosine down to `floor` at `total`."""
+    cos = 1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))   # 2 -> 0
+    return (step + 1) / warmup if step < warmup else floor + (1 - floor) * 0.5 * cos
+
+
+def save_resume(path: str, key: dict, extra: dict, **parts):
+    """Write (atomically) the state --resume continues from: each of `parts`' state dict, `extra`, this run's `key`."""
+    ck = {**{name: part.state_dict() for name, part in parts.items()}, **extra, "key": key}
+    atomic_write(path, lambda t: torch.save(ck, t))
+
+
+def load_resume(path: str, key: dict, **parts):
+    """The state a killed run left at `path`, checked against this run's `key` (the arguments that must not
+    change); each of `parts` (model=..., optimizer=...) gets its saved state dict. -> the rest of the state."""
+    ck = load_pt(path, "a run writes it as it goes and removes it when it ends; run without --resume")
+    if diff := [k for k in key if ck.get("key", {}).get(k) != key[k]]:
+        die(f"--resume: {path} was written with other arguments ({', '.join(diff)}); use them or run without --resume")
+    for name, part in parts.items():
+        part.load_state_dict(ck.pop(name))
+    return ck
 
 
 # --- files: atomic writes, guarded loads ---------------------------------------------------------
@@ -150,6 +186,11 @@ def load_hf(folder: str, hint: str, dtype=torch.float32):
     except Exception as e:
         why = "not found" if not os.path.exists(folder) else f"unreadable ({type(e).__name__})"
         die(f"{folder}: {why}; {hint}")
+
+
+def pad_id(tok) -> int:
+    """The token that pads a batch: the tokenizer's pad token, else its EOS (masked out either way)."""
+    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
 
 def save_folder(dst: str, model, tok, files: dict):

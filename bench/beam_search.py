@@ -28,7 +28,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Parser, load_sid_model, load_step, nonneg_int, pick_autocast, pick_device, pos_int  # noqa: E402
+from common import (Parser, load_sid_model, load_step, nonneg_int, pad_id, pick_autocast, pick_device,  # noqa: E402
+                    pos_int)
 from exact_search import rank_exact  # noqa: E402
 from flops import body_params, gflops, matmul_flops  # noqa: E402
 
@@ -162,7 +163,7 @@ def main():
                                cfg.get("max_history", args.max_history))
     scorer = ev.LevelScorer(model, vocab["token_ids"], args.softmax)   # generate() normalizes over the vocabulary
     nxt = ev.build_trie(sids, [len(t) for t in vocab["token_ids"]])
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_id(tok)
     L = len(nxt)
     print(f"device {device}  {dtype_note}  softmax {args.softmax}  users {len(prompts)}  beam {args.beam}  "
           f"levels {L}  items {len(sids)}  prompt tokens mean {np.mean([len(p) for p in prompts]):.0f}  "

@@ -34,7 +34,7 @@ from tqdm import tqdm
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from common import (Parser, add_device_flags, die, load_sid_model, load_step, nonneg_int,  # noqa: E402
-                    pick_autocast, pick_device, pos_int)
+                    pad_id, pick_autocast, pick_device, pos_int)
 
 ev = load_step("06_eval")            # 06's trie, scorer, prefill, beam_search, metrics and report
 
@@ -137,12 +137,12 @@ def main():
     prompts = ev.build_prompts(tok, template, item_tok, histories, max_history)
     scorer = ev.LevelScorer(model, vocab["token_ids"], softmax)
     nxt = ev.build_trie(sids, [len(t) for t in vocab["token_ids"]])
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_id(tok)
     print(f"users {len(prompts)}  items {len(sids)}  levels {len(nxt)}  beam {args.beam}  "
           f"softmax {softmax}  prompt tokens mean {np.mean([len(p) for p in prompts]):.0f}")
 
     t1 = time.time()
-    ranked = rank_exact(model, prompts, scorer, nxt, args.beam, pad_id, args.batch_size, histories, sids,
+    ranked = rank_exact(model, prompts, scorer, nxt, args.beam, pad, args.batch_size, histories, sids,
                         excludes, ctx, first_width=args.first_width)
     search_s = time.time() - t1
     print(f"exact search {search_s:.1f}s for {len(prompts)} users x {len(excludes)} protocol(s) "

@@ -22,7 +22,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Parser, load_sid_model, load_step, pick_autocast, pick_device, pos_int  # noqa: E402
+from common import Parser, load_sid_model, load_step, pad_id, pick_autocast, pick_device, pos_int  # noqa: E402
 from flops import body_params, gflops, matmul_flops  # noqa: E402
 
 sft = load_step("05_sft")                     # reuse 05's examples, rows, collate and loss (not a numbered step)
@@ -49,7 +49,7 @@ def main():
     model.to(device).train()
     level_tok = [torch.tensor(t) for t in vocab["token_ids"]]
     state0 = {k: v.clone() for k, v in model.state_dict().items()}
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_id(tok)
     train = data["train"]
     dtypes = ["float32"] + (["bfloat16"] if "bf16" in pick_autocast("auto", device)[1] else [])
     default_dtype = dtypes[-1]

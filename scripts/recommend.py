@@ -23,8 +23,8 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from common import (Parser, add_device_flags, die, load_sid_model, load_step, pick_autocast,  # noqa: E402
-                    pick_device, pos_int)
+from common import (Parser, add_device_flags, die, load_sid_model, load_step, pad_id,  # noqa: E402
+                    pick_autocast, pick_device, pos_int)
 
 ev = load_step("06_eval")            # 06's prompt, trie, scorer and beam search
 TITLE_END = re.compile(r"\. (?:Genres|Category|Brand): ")          # what 01 appends after a title
@@ -89,8 +89,8 @@ def main(argv=None):
                               sft_cfg.get("max_history", 20))
     scorer = ev.LevelScorer(model, vocab["token_ids"], softmax)
     nxt = ev.build_trie(sids, [len(t) for t in vocab["token_ids"]])
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    (items, scores, _), = ev.rank_all(model, prompt, scorer, nxt, args.beam, pad_id, 1, [history], sids,
+    pad = pad_id(tok)
+    (items, scores, _), = ev.rank_all(model, prompt, scorer, nxt, args.beam, pad, 1, [history], sids,
                                       (True,), ctx, progress=False)
     print(f"\ntop {args.top} for this history ({len(sids)} items, seen ones excluded, beam {args.beam}):")
     for rank, (i, s) in enumerate(zip(items[0, :args.top].tolist(), scores[0, :args.top].tolist()), 1):

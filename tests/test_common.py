@@ -1,5 +1,5 @@
-"""common.py: the CLI's one-line errors and bounds, one dtype rule, seeding, atomic writes, guarded loaders,
-a crash-safe save_folder, and the step loader."""
+"""common.py: the CLI's one-line errors and bounds, one dtype rule, seeding, the lr schedule, the resume state,
+atomic writes, guarded loaders, a crash-safe save_folder, the pad token, and the step loader."""
 import json
 import os
 import shutil
@@ -79,6 +79,40 @@ def test_seed_everything_repeats_every_generator():
 
 
 # --- files ----------------------------------------------------------------------------------------------------
+def test_warmup_cosine_rises_linearly_then_falls_to_its_floor():
+    f = [common.warmup_cosine(s, 4, 20, floor=0.1) for s in range(21)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0] and f[4] == 1.0                   # warmup, then the cosine's top
+    assert all(a >= b for a, b in zip(f[4:], f[5:])) and f[20] == pytest.approx(0.1)
+    assert common.warmup_cosine(12, 4, 20) == pytest.approx(0.5)             # half way down to floor 0
+    assert common.warmup_cosine(30, 0, 20, floor=0.1) == pytest.approx(0.1)  # past the end: the floor
+
+
+def test_resume_state_round_trip_and_other_arguments(tmp_path):
+    path, key = str(tmp_path / "r.resume.pt"), {"lr": 1e-3, "steps": 9}
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(a.parameters())
+    a(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    common.save_resume(path, key, {"step": 4}, model=a, opt=opt)
+    opt_b = torch.optim.AdamW(b.parameters())
+    rest = common.load_resume(path, key, model=b, opt=opt_b)
+    assert rest == {"step": 4, "key": key} and torch.equal(a.weight, b.weight)
+    assert torch.equal(opt_b.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(SystemExit) as e:
+        common.load_resume(path, {**key, "lr": 1e-2}, model=b)
+    assert "was written with other arguments (lr)" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        common.load_resume(str(tmp_path / "none.pt"), key)
+    assert "none.pt not found" in str(e.value)
+
+
+def test_pad_id_falls_back_to_eos():
+    tok = type("Tok", (), {"pad_token_id": None, "eos_token_id": 2})
+    assert common.pad_id(tok) == 2
+    tok.pad_token_id = 7
+    assert common.pad_id(tok) == 7
+
+
 def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
     path = str(tmp_path / "a.json")
     common.write_json(path, {"x": 1})

@@ -63,9 +63,10 @@ def test_each_step_imports_common_and_no_other_step_and_copies_no_helper():
 def test_line_budgets():
     """A step a student reads in one sitting: ~300 lines, none over 350 (nanoGPT's train.py: 336); the seven
     and common.py together 2,320 lines after the minimal core, 2,365 with the plateau rule and the aux token mix
-    (the aim was ~2,100; docs/log.md, 2026-12-04)."""
+    (the aim was ~2,100; docs/log.md, 2026-12-04), 2,400 since 04's and 05's twin resume, schedule and DDP code
+    moved into common.py (docs/log.md, 2026-12-07)."""
     lines = {s: len(source(s).splitlines()) for s in SCRIPTS + ["common.py"]}
-    assert all(n <= 350 for s, n in lines.items() if s in SCRIPTS) and lines["common.py"] <= 240, lines
+    assert all(n <= 350 for s, n in lines.items() if s in SCRIPTS) and lines["common.py"] <= 280, lines
     assert sum(lines.values()) <= 2400, lines
 
 
