@@ -39,7 +39,8 @@ committed with its numbers: the report is built from the records, so runs made o
 machines or days add up, and out/ can be deleted once a run's record is written. A record made on other
 SIDs than the pinned ones is reported with a caveat and rerun by the next call that names it. A record keeps the CPU
 it was made on, and the report names a seed whose init rows (step 0 of its _rows.npz) differ from its kind's first
-seed's: 03's folders rebuild bit-identical on another CPU, 04's bf16 grounding does not.
+seed's: 03's folders rebuild bit-identical on another CPU, 04's bf16 grounding does not. On a GPU box 04-06 pick
+CUDA (their --device auto) and the record's `device` says so (05's device and autocast).
 Two runs can share 2 cores, each at OMP_NUM_THREADS=1 (about 1.2x the throughput of one on both).
 Writes results/ml-100k_convergence.md (the table; each run - SASRec and centroid - random at the peak, paired
 bootstrap over users; the efficiency claim read two ways, paired by seed; the GTI claims at the peak, each only
@@ -238,7 +239,7 @@ def write_record(name, kind, seed, run_dir, best_dir, ranked):
            "steps_per_epoch": (j["examples"] + j["aux_examples"]) / (j["batch_size"] * j["grad_accum"]),
            "best_step": ranked["best_step"], "stopped_at": ranked["stopped_at"],
            "rank_curve": ranked["rank_curve"], "seconds": j["seconds"], "rank_seconds": ranked["rank_seconds"],
-           "cpu": cpu_name()}
+           "cpu": cpu_name(), "device": f"{j['device']}, {j['autocast']}"}     # 05's: cpu or cuda, bf16 or fp32
     os.makedirs(f"{REPO}/{RECORDS}", exist_ok=True)
     cks = [f"{run_dir}.checkpoints/step_{s}" for s, _, _ in ranked["rank_curve"]]
     if all(os.path.exists(f"{c}/sid_vocab.json") for c in cks):      # ~0.2 MB a checkpoint (194 rows x 576)

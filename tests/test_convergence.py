@@ -18,7 +18,8 @@ def fake_run(d, best, stopped, users=5):
     """05's folder (05_sft.json) and its chosen checkpoint (06's test files); -> (best_dir, the ranking)."""
     d.mkdir(parents=True)
     (d / "05_sft.json").write_text(json.dumps({
-        "examples": 600, "aux_examples": 60, "batch_size": 8, "grad_accum": 1, "seconds": 90.0, "steps": 2 * stopped}))
+        "examples": 600, "aux_examples": 60, "batch_size": 8, "grad_accum": 1, "seconds": 90.0, "steps": 2 * stopped,
+        "device": "cuda:0", "autocast": "bf16 autocast on cuda (fp32 weights)"}))
     best_dir = d.parent / f"{d.name}.checkpoints" / f"step_{best}"
     best_dir.mkdir(parents=True)
     (best_dir / "eval_test.json").write_text(json.dumps({"model": {"recall@10": 0.4}}))
@@ -74,7 +75,8 @@ def test_record_round_trip_and_skip(tmp_path, monkeypatch):
     assert rec["init"] == "random" and rec["best_step"] == 44 and rec["steps_per_epoch"] == 82.5
     assert rec["stopped_at"] == 88 and rec["seconds"] == 90.0 and rec["rank_seconds"] == 30.0
     assert list(rec) == ["run", "kind", "init", "flags", "seed", "sids_sha256", "test", "steps_per_epoch",
-                         "best_step", "stopped_at", "rank_curve", "seconds", "rank_seconds", "cpu"]   # the fields
+                         "best_step", "stopped_at", "rank_curve", "seconds", "rank_seconds", "cpu", "device"]   # the fields
+    assert rec["device"] == "cuda:0, bf16 autocast on cuda (fp32 weights)"        # a GPU run says so
     assert len(rec["sids_sha256"]) == 12 and int(rec["sids_sha256"], 16) >= 0
     assert rec["rank_curve"][1] == [44, 0.2, 0.1] and topk.dtype == np.int64
     assert (topk == np.arange(100).reshape(5, 20)).all()
