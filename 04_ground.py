@@ -215,7 +215,7 @@ def main(argv=None):
         trained, unchanged = freeze_all_but_new_rows(model.to(device), new_ids)
     else:                                                       # CPT: every parameter
         trained, unchanged = list(model.to(device).requires_grad_(True).parameters()), lambda: None
-    ws = list(dict.fromkeys((model.get_input_embeddings().weight, model.get_output_embeddings().weight)))  # untied: both
+    ws = list(dict.fromkeys((model.get_input_embeddings().weight, model.get_output_embeddings().weight)))  # untied: 2
     start = [w.detach()[new_ids].clone() for w in ws]           # the new rows before training
     files = {"sid_vocab.json": json.dumps(vocab)}
     ckpt, key = f"{args.save}.resume.pt", {k: v for k, v in vars(args).items()
